@@ -1,0 +1,32 @@
+# The README's two commands: `make train` and `make test`. Both set up .venv on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.shardlight-installed
+
+.PHONY: setup train test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch first, from its own spec: a plain `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: setup
+	WANDB_SILENT=true $(BIN)/shardlight train $(RECIPE) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	@for b in benchmarks/*.py; do echo "# $$b" >&2; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,156 @@
+"""The LightningModule around a Hugging Face causal LM: loss on supervised tokens, AdamW + warmup."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from framework.config import ModelConfig, OptimConfig, RecipeConfig
+from framework.errors import ShardlightError
+
+IGNORE_INDEX = -100
+
+
+def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The architecture config, without weights (cheap; used by preflight checks and the builders)."""
+    if cfg.config is not None:
+        spec = dict(cfg.config)
+        model_type = spec.pop("model_type")
+        try:
+            return AutoConfig.for_model(model_type, **spec)
+        except ValueError as exc:
+            raise ShardlightError(f"model.config: {str(exc).splitlines()[0]}") from None
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ShardlightError(
+            f"model.name_or_path '{cfg.name_or_path}' could not be loaded: {str(exc).splitlines()[0]}"
+        ) from None
+
+
+def build_hf_model(cfg: ModelConfig, config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
+    kwargs: Dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.config is not None:
+        return AutoModelForCausalLM.from_config(config or build_hf_config(cfg), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+
+
+def clean_param_name(name: str) -> str:
+    """A parameter's name as in the unwrapped model (FSDP and checkpoint wrappers add prefixes)."""
+    return _WRAPPER_PREFIX.sub("", name)
+
+
+_WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
+
+
+def lr_lambda(optim: OptimConfig, max_steps: int):
+    """Linear warmup to 1, then cosine/linear decay to ``min_lr_ratio`` (or constant)."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
+
+    return factor
+
+
+class CausalLMModule(pl.LightningModule):
+    """Fine-tunes ``AutoModelForCausalLM``; the model is built in ``configure_model`` so FSDP wraps it."""
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model: Optional[PreTrainedModel] = None
+        self.first_val_loss: Optional[float] = None
+        self.last_val_loss: Optional[float] = None
+        self.tokens_seen = 0
+        self._val_sums = torch.zeros(2, dtype=torch.float64)
+        self._decay_names: set = set()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_hf_model(self.cfg.model)
+            # FSDP flattens parameters to 1-D shards, so decide what gets weight decay before wrapping.
+            self._decay_names = {f"model.{n}" for n, p in self.model.named_parameters() if p.dim() >= 2}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def _loss_sum(self, batch: Dict[str, torch.Tensor]):
+        """Summed token cross-entropy over supervised positions, and their count."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, count = self._loss_sum(batch)
+        loss = loss_sum / count.clamp(min=1)
+        tokens = self.trainer.strategy.reduce(batch["attention_mask"].sum().float(), reduce_op="sum")
+        self.tokens_seen += int(tokens.item())
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].size(0))
+        self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss_sum, count = self._loss_sum(batch)
+        self._val_sums += torch.stack([loss_sum.detach().double(), count.double()])
+
+    def on_validation_epoch_end(self) -> None:
+        # Token-weighted over the whole validation set on all ranks, not a mean of per-batch means.
+        totals = self.trainer.strategy.reduce(self._val_sums.float(), reduce_op="sum")
+        val_loss = float(totals[0] / totals[1].clamp(min=1))
+        self.last_val_loss = val_loss
+        metrics = {"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}
+        if self.trainer.sanity_checking:
+            # Lightning mutes self.log during the sanity pass; this is the pre-training loss we want.
+            self.first_val_loss = val_loss
+            if self.trainer.is_global_zero:
+                for logger in self.trainer.loggers:
+                    logger.log_metrics(metrics, step=0)
+            return
+        for key, value in metrics.items():
+            self.log(key, value, prog_bar=key == "val/loss", rank_zero_only=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        max_norm = self.cfg.trainer.gradient_clip_val
+        if max_norm is None:
+            return
+        clip = getattr(self.trainer.strategy, "clip_gradients", None)
+        if clip is not None:
+            norm = clip(max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.log("train/grad_norm", float(norm), rank_zero_only=True)
+
+    def configure_optimizers(self) -> Dict[str, Any]:
+        optim = self.cfg.optim
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (decay if clean_param_name(name) in self._decay_names else no_decay).append(param)
+        groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, self.cfg.trainer.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,35 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = REPO / "recipes" / "tiny-llama-sft.yaml"
+
+# Tests never reach the network: W&B offline, HF hub offline.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_cli(args, cwd=None, timeout=600, env=None):
+    """Run ``python -m framework.cli ARGS`` in a fresh process (each Lightning fit gets its own)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.pop("LOCAL_RANK", None)
+    full_env.pop("SHARDLIGHT_RUN_DIR", None)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "framework.cli", *args],
+        cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli
