@@ -126,3 +126,21 @@ def test_cli_exit_code_and_help(cli):
     help_text = cli(["--help"]).stdout
     assert "train" in help_text and "analyze" in help_text
     assert "--summary-json" in cli(["train", "--help"]).stdout
+
+
+def test_readme_documents_every_recipe_key():
+    import dataclasses
+
+    from framework.config import _NESTED, RecipeConfig
+
+    readme = (REPO / "README.md").read_text()
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if isinstance(f.type, str) and f.type in _NESTED:
+                yield from keys(_NESTED[f.type], f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    missing = [k for k in keys(RecipeConfig) if f"`{k}`" not in readme]
+    assert not missing, f"README recipe reference lacks: {missing}"

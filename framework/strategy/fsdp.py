@@ -17,6 +17,7 @@ from typing import Any, Dict, Generator, List, Optional
 import torch
 from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs, _setup_activation_checkpointing
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -163,6 +164,11 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         )
         _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
         self._wrapped_root = wrapped
+        units = len(FullyShardedDataParallel.fsdp_modules(wrapped))
+        rank_zero_info(
+            f"FSDP {self.fsdp_config.sharding_strategy}: {units} units ({self.fsdp_config.auto_wrap_policy}) "
+            f"on {self.world_size} ranks, backend {self._process_group_backend}"
+        )
         return wrapped
 
     @contextmanager

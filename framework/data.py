@@ -1,0 +1,470 @@
+"""Tokenizer, data preflight and the SFT ``LightningDataModule``.
+
+Every example becomes ``input_ids`` plus ``labels`` (the ids of supervised tokens, -100 elsewhere; Hugging Face
+causal-LM models shift labels internally). Formats:
+
+* ``instruction``: ``bos? + prompt_template.format(prompt)`` (not supervised) ``+ response + eos`` (supervised).
+* ``chat``: the tokenizer's chat template when it has one, else ``<|role|>\\ncontent\\n`` per message; only
+  assistant turns (and their end-of-turn marker) are supervised.
+* ``text``: ``bos? + text + eos``, all supervised (bos never is: nothing should learn to emit it).
+
+With ``data.packing`` the examples are concatenated (labels alongside, so masking survives block boundaries) and
+cut into ``seq_len`` blocks; training drops the last partial block, validation pads it so no data is lost.
+Without packing each example is truncated or right-padded to ``seq_len``. Blocks or rows in which no token
+would be scored are dropped: they carry no loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from framework.config import DataConfig, RecipeConfig
+from framework.errors import ShardlightError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# ---- tokenizer
+def build_tokenizer(cfg: RecipeConfig):
+    """``AutoTokenizer`` for the recipe, with a pad token (falls back to eos) and an eos token guaranteed."""
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
+    hint = "set tokenizer.name_or_path to a local directory or hub id"
+    if not name:
+        raise ShardlightError(f"tokenizer not found: neither tokenizer.name_or_path nor model.name_or_path is set; {hint}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.tokenizer.trust_remote_code)
+    except Exception as exc:  # OSError, HFValidationError, ValueError, connection errors offline...
+        raise ShardlightError(f"tokenizer not found: {name} ({_first_line(exc)}); {hint}") from None
+    if tokenizer.eos_token_id is None:
+        raise ShardlightError(f"tokenizer {name} has no eos token; SFT needs one to mark the end of an answer")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ---- preflight
+def _required(d: DataConfig) -> List[str]:
+    return {"instruction": [d.prompt_field, d.response_field], "text": [d.text_field],
+            "chat": [d.messages_field]}[d.format]
+
+
+def _expand(files: List[str], key: str) -> List[str]:
+    out: List[str] = []
+    for pattern in (os.path.expanduser(f) for f in files):
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise ShardlightError(f"no data files match {pattern} ({key})")
+        out.extend(matches)
+    return out
+
+
+def _builder(files: List[str], key: str) -> str:
+    builders = set()
+    for path in files:
+        ext = Path(path).suffix.lower()
+        if ext not in BUILDERS:
+            raise ShardlightError(f"{path}: unsupported data file type '{ext or '(none)'}'; "
+                                  f"allowed: {', '.join(BUILDERS)}")
+        builders.add(BUILDERS[ext])
+    if len(builders) > 1:
+        raise ShardlightError(f"{key} mixes file types ({', '.join(sorted(builders))}); use one type per list")
+    return builders.pop()
+
+
+def _check_row(row: Any, d: DataConfig, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ShardlightError(f"{where}: row is not a JSON object (got {type(row).__name__})")
+    required = _required(d)
+    for name in required:
+        if name not in row:
+            raise ShardlightError(f"{where}: row is missing field '{name}' "
+                                  f"(format: {d.format} needs {', '.join(required)})")
+    if d.format == "chat":
+        messages = row[d.messages_field]
+        if not isinstance(messages, list) or not messages:
+            raise ShardlightError(f"{where}: field '{d.messages_field}' must be a non-empty list of "
+                                  "{role, content} objects")
+        for j, msg in enumerate(messages):
+            bad = [k for k in ("role", "content") if not isinstance(msg, dict) or not isinstance(msg.get(k), str)]
+            if bad:
+                raise ShardlightError(f"{where}: message {j} in '{d.messages_field}' needs a string '{bad[-1]}'")
+        return
+    for name in required:
+        if not isinstance(row[name], str):
+            got = "null" if row[name] is None else type(row[name]).__name__
+            raise ShardlightError(f"{where}: field '{name}' must be a string, got {got}")
+
+
+def _check_json(path: str, d: DataConfig) -> None:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ShardlightError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise ShardlightError(f"data file is empty: {path}")
+    if text.lstrip().startswith("["):  # one JSON array of rows
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ShardlightError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        if not rows:
+            raise ShardlightError(f"data file is empty: {path}")
+        for i, row in enumerate(rows, 1):
+            _check_row(row, d, f"{path}: row {i}")
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ShardlightError(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        _check_row(row, d, f"{path}:{lineno}")
+
+
+def _check_columns(columns: List[str], d: DataConfig, source: str) -> None:
+    required = _required(d)
+    for name in required:
+        if name not in columns:
+            raise ShardlightError(f"{source}: missing column '{name}' (format: {d.format} needs "
+                                  f"{', '.join(required)}); columns: {', '.join(columns) or '(none)'}")
+
+
+def _check_file(path: str, builder: str, d: DataConfig) -> None:
+    if not os.path.isfile(path):
+        raise ShardlightError(f"data file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise ShardlightError(f"data file is empty: {path}")
+    if builder == "json":
+        _check_json(path, d)
+    elif builder == "csv":
+        if d.format == "chat":
+            raise ShardlightError(f"{path}: format chat needs a list column '{d.messages_field}'; use JSONL or Parquet")
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header or next(reader, None) is None:
+                raise ShardlightError(f"data file is empty: {path}")
+        _check_columns(header, d, path)
+    elif builder == "parquet":
+        import pyarrow.parquet as pq
+        try:
+            meta = pq.ParquetFile(path)
+        except Exception as exc:
+            raise ShardlightError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
+        if meta.metadata.num_rows == 0:
+            raise ShardlightError(f"data file is empty: {path}")
+        _check_columns(meta.schema_arrow.names, d, path)
+    else:  # text: one row per line, column "text"
+        if d.format != "text":
+            raise ShardlightError(f"{path}: .txt files give one text row per line; they need data.format: text")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if not any(line.strip() for line in f):
+                raise ShardlightError(f"data file is empty: {path}")
+
+
+def check_data(cfg: RecipeConfig) -> None:
+    """Preflight on local data files (hub datasets are not checked: no network here)."""
+    d = cfg.data
+    if d.format == "instruction":
+        try:
+            d.prompt_template.format(prompt="x")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ShardlightError(f"data.prompt_template cannot be filled ({type(exc).__name__}: {exc}); "
+                                  "only {prompt} is substituted, write literal braces as {{ and }}") from None
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if not files:
+            continue
+        paths = _expand(list(files), key)
+        builder = _builder(paths, key)
+        for path in paths:
+            _check_file(path, builder, d)
+
+
+# ---- loading
+def _load_local(files: List[str], d: DataConfig, key: str):
+    import datasets
+
+    paths = _expand(list(files), key)
+    builder = _builder(paths, key)
+    cache = os.path.join(tempfile.gettempdir(), "shardlight-datasets-cache")
+    try:
+        ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True)
+    except Exception as exc:
+        raise ShardlightError(f"could not load {key} ({', '.join(paths)}): {_first_line(exc)}") from None
+    if builder == "text" and d.text_field != "text":
+        ds = ds.rename_column("text", d.text_field)
+    return ds
+
+
+def _load_hub(d: DataConfig, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(d.dataset, d.dataset_config, split=split, keep_in_memory=True)
+    except Exception as exc:
+        cfg_part = f", config '{d.dataset_config}'" if d.dataset_config else ""
+        raise ShardlightError(f"could not load hub dataset '{d.dataset}'{cfg_part}, split '{split}': "
+                              f"{_first_line(exc)} (offline? download it first or use data.train_files)") from None
+
+
+# ---- tokenization
+Segments = List[Tuple[List[int], bool]]  # (token ids, supervised)
+
+
+class _Encoder:
+    def __init__(self, tokenizer, d: DataConfig):
+        self.tok, self.d = tokenizer, d
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eos = [tokenizer.eos_token_id]
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def ids(self, text: str) -> List[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def __call__(self, batch: Dict[str, list]) -> Dict[str, list]:
+        d, out_ids, out_labels = self.d, [], []
+        if d.format == "instruction":
+            prompts = self.tok([d.prompt_template.format(prompt=p) for p in batch[d.prompt_field]],
+                               add_special_tokens=False)["input_ids"]
+            answers = self.tok(list(batch[d.response_field]), add_special_tokens=False)["input_ids"]
+            examples = [[(self.bos + p, False), (a + self.eos, True)] for p, a in zip(prompts, answers)]
+        elif d.format == "text":
+            texts = [t if t and t.strip() else "" for t in batch[d.text_field]]
+            encoded = self.tok(texts, add_special_tokens=False)["input_ids"]
+            examples = [[(self.bos, False), (ids + self.eos, True)] if t else [] for t, ids in zip(texts, encoded)]
+        else:
+            examples = [self.chat(m) for m in batch[d.messages_field]]
+        for segs in examples:
+            out_ids.append([t for seg, _ in segs for t in seg])
+            out_labels.append([t if sup else IGNORE_INDEX for seg, sup in segs for t in seg])
+        return {"input_ids": out_ids, "labels": out_labels}
+
+    def chat(self, messages: List[Dict[str, str]]) -> Segments:
+        if not self.has_template:
+            segs: Segments = [(self.bos, False)]
+            for m in messages:
+                segs.append((self.ids(f"<|{m['role']}|>\n"), False))
+                if m["role"] == "assistant":
+                    segs += [(self.ids(m["content"]) + self.eos, True), (self.ids("\n"), False)]
+                else:
+                    segs.append((self.ids(f"{m['content']}\n"), False))
+            return segs
+        return self._templated(messages)
+
+    def _render(self, messages, generation_prompt: bool = False) -> Optional[str]:
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception:
+            return None
+
+    def _templated(self, messages: List[Dict[str, str]]) -> Segments:
+        """Supervised character spans of the rendered chat: an assistant turn is what rendering it adds after
+        the generation prompt (end-of-turn marker included); templates that are not prefix-stable fall back to
+        locating the turn's content (plus a following eos) in the full text."""
+        full = self._render(messages)
+        if full is None:
+            raise ShardlightError("the tokenizer's chat template failed to render a conversation; check "
+                                  "data.messages_field rows (role/content) or the template")
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start_text = self._render(messages[:i], True) if i else None
+            end_text = self._render(messages[: i + 1])
+            if (start_text is not None and end_text is not None and full.startswith(end_text)
+                    and end_text.startswith(start_text) and len(start_text) >= cursor):
+                content_at = full.find(m["content"], len(start_text), len(end_text))
+                span = (max(len(start_text), content_at), len(end_text))  # skip a header with no gen. prompt
+            else:
+                pos = full.find(m["content"], cursor)
+                if pos < 0:
+                    continue
+                end = pos + len(m["content"])
+                if self.tok.eos_token and full.startswith(self.tok.eos_token, end):
+                    end += len(self.tok.eos_token)
+                span = (pos, end)
+            spans.append(span)
+            cursor = span[1]
+        segs: Segments = []
+        prev = 0
+        for start, end in spans:
+            segs += [(self.ids(full[prev:start]), False), (self.ids(full[start:end]), True)]
+            prev = end
+        segs.append((self.ids(full[prev:]), False))
+        return segs
+
+
+# ---- blocks
+class BlockDataset(Dataset):
+    """Fixed-length rows; items are dicts of LongTensors ``[seq_len]``."""
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, attention_mask: np.ndarray):
+        self.input_ids = torch.from_numpy(input_ids.astype(np.int32))
+        self.labels = torch.from_numpy(labels.astype(np.int32))
+        self.attention_mask = torch.from_numpy(attention_mask.astype(np.int8))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[i].long(), "attention_mask": self.attention_mask[i].long(),
+                "labels": self.labels[i].long()}
+
+
+def _flatten(ds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokenized dataset → (all ids, all labels, per-example lengths) as flat numpy arrays."""
+    import pyarrow.compute as pc
+
+    if len(ds) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    table = ds.with_format("arrow")[:]
+    ids = table.column("input_ids").combine_chunks()
+    labels = table.column("labels").combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False)
+    return (ids.flatten().to_numpy(zero_copy_only=False).astype(np.int64),
+            labels.flatten().to_numpy(zero_copy_only=False).astype(np.int64), lengths.astype(np.int64))
+
+
+def make_blocks(ds, seq_len: int, pad_id: int, packing: bool, keep_partial: bool) -> BlockDataset:
+    """Tokenized examples → ``[N, seq_len]`` rows: packed blocks (the partial last one kept only with
+    ``keep_partial``) or one truncated/right-padded row per example."""
+    flat_ids, flat_labels, lengths = _flatten(ds)
+    total = len(flat_ids)
+    if packing:
+        n = total // seq_len + (1 if keep_partial and total % seq_len else 0)
+        starts = np.arange(n, dtype=np.int64) * seq_len
+        lengths = np.minimum(seq_len, total - starts)
+    else:
+        starts = np.cumsum(lengths) - lengths
+        if (lengths > seq_len).any():
+            log.info("truncated %d of %d examples to data.seq_len=%d", (lengths > seq_len).sum(), len(lengths), seq_len)
+        lengths = np.minimum(lengths, seq_len)
+    pos = np.arange(seq_len)
+    mask = pos[None, :] < lengths[:, None]
+    idx = np.where(mask, starts[:, None] + pos[None, :], total)  # index `total` is the padding sentinel
+    ids = np.append(flat_ids, pad_id)[idx]
+    labels = np.append(flat_labels, IGNORE_INDEX)[idx]
+    scored = (labels[:, 1:] != IGNORE_INDEX).any(axis=1)
+    if not scored.all():
+        log.info("dropped %d of %d sequences with no supervised token", (~scored).sum(), len(scored))
+    return BlockDataset(ids[scored], labels[scored], mask[scored])
+
+
+def count_label_tokens(batch: Dict[str, torch.Tensor]) -> int:
+    """Tokens that contribute to the causal-LM loss: ``labels[..., 1:] != -100`` (HF models shift labels)."""
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
+
+# ---- data module
+class SFTDataModule(pl.LightningDataModule):
+    def __init__(self, cfg: RecipeConfig, tokenizer):
+        super().__init__()
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_dataset: Optional[BlockDataset] = None
+        self.val_dataset: Optional[BlockDataset] = None
+        self.stats: Dict[str, int] = {}
+
+    def _raw_splits(self):
+        d, seed = self.cfg.data, self.cfg.trainer.seed
+        if d.train_files:
+            train = _load_local(d.train_files, d, "data.train_files")
+        else:
+            train = _load_hub(d, d.split)
+        if d.val_files:
+            val = _load_local(d.val_files, d, "data.val_files")
+        elif d.dataset and not d.train_files and d.val_split:
+            val = _load_hub(d, d.val_split)
+        elif d.val_fraction > 0:
+            if len(train) < 2:
+                raise ShardlightError(f"data.val_fraction={d.val_fraction} needs at least 2 training rows, "
+                                      f"got {len(train)}")
+            n_val = min(len(train) - 1, max(1, round(len(train) * d.val_fraction)))
+            split = train.train_test_split(test_size=n_val, seed=seed, shuffle=True, keep_in_memory=True)
+            train, val = split["train"], split["test"]
+        else:
+            val = None
+        return train, val
+
+    def _tokenize(self, ds, source: str):
+        import datasets
+
+        _check_columns(list(ds.column_names), self.cfg.data, source)
+        features = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in ("input_ids", "labels")})
+        return ds.map(_Encoder(self.tokenizer, self.cfg.data), batched=True, remove_columns=ds.column_names,
+                      features=features, keep_in_memory=True, load_from_cache_file=False, desc=f"tokenizing {source}")
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:  # idempotent: fit, then validate, reuse the same blocks
+            return
+        import datasets
+
+        d = self.cfg.data
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = self.tokenizer.eos_token_id
+        bars = not datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # seconds of work; bars from every rank are only noise
+        try:
+            train, val = self._raw_splits()
+            train_tok = self._tokenize(train, "training data")
+            val_tok = self._tokenize(val, "validation data") if val is not None else None
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+        self.train_dataset = make_blocks(train_tok, d.seq_len, pad_id, d.packing, keep_partial=False)
+        if val_tok is not None:
+            self.val_dataset = make_blocks(val_tok, d.seq_len, pad_id, d.packing, keep_partial=True)
+        val_rows = len(val) if val is not None else 0
+        self.stats = {"train_examples": len(train), "train_sequences": len(self.train_dataset), "val_examples": val_rows,
+                      "val_sequences": len(self.val_dataset) if self.val_dataset is not None else 0}
+        world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
+        need = self.cfg.trainer.micro_batch_size * world
+        if len(self.train_dataset) < need:
+            raise ShardlightError(
+                f"training data gives {len(self.train_dataset)} sequences of {d.seq_len} tokens, fewer than one "
+                f"batch (trainer.micro_batch_size={self.cfg.trainer.micro_batch_size} x {world} ranks); "
+                "add data, lower data.seq_len or micro_batch_size")
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        workers = self.cfg.data.num_workers
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed) if train else None
+        return DataLoader(dataset, batch_size=self.cfg.trainer.micro_batch_size, shuffle=train,
+                          generator=generator, drop_last=train, num_workers=workers,
+                          persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self):
+        """No validation data (no val_files / val_split and val_fraction 0): an empty list, which Lightning skips."""
+        if self.train_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None or len(self.val_dataset) == 0:
+            return []
+        return self._loader(self.val_dataset, train=False)

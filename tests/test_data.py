@@ -1,0 +1,303 @@
+"""framework/data.py: tokenizer loading, preflight errors, tokenization, packing and label masking, loaders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.config import RecipeConfig, load_recipe
+from framework.data import (IGNORE_INDEX, SFTDataModule, build_tokenizer, check_data, count_label_tokens)
+from framework.errors import ShardlightError
+
+REPO = Path(__file__).resolve().parents[1]
+TOK_DIR = REPO / "recipes" / "assets" / "tiny-tokenizer"
+TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+
+
+def _cfg(**data) -> RecipeConfig:
+    cfg = RecipeConfig()
+    cfg.model.config = {"model_type": "llama"}
+    cfg.tokenizer.name_or_path = str(TOK_DIR)
+    cfg.trainer.micro_batch_size = 2
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(_cfg())
+
+
+def _jsonl(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _rows(n, start=0):
+    return [{"prompt": f"Add: {i} + 1", "response": f"answer {i + 1}"} for i in range(start, start + n)]
+
+
+def _setup(cfg, tok) -> SFTDataModule:
+    dm = SFTDataModule(cfg, tok)
+    dm.setup("fit")
+    return dm
+
+
+def _stream(ds):
+    """Concatenate the real (attention_mask == 1) tokens and labels of every row, in order."""
+    mask = ds.attention_mask.bool()
+    return ds.input_ids[mask].tolist(), ds.labels[mask].tolist()
+
+
+def _expected_instruction(tok, rows):
+    ids, labels = [], []
+    for r in rows:
+        p = [tok.bos_token_id] + tok(TEMPLATE.format(prompt=r["prompt"]), add_special_tokens=False)["input_ids"]
+        a = tok(r["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += p + a
+        labels += [IGNORE_INDEX] * len(p) + a
+    return ids, labels
+
+
+def _supervised_text(tok, ds) -> str:
+    labels = ds.labels[ds.labels != IGNORE_INDEX]
+    return tok.decode(labels.tolist())
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+def test_shipped_tokenizer(tok):
+    assert len(tok) == 512
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+
+
+def test_build_tokenizer_errors(tmp_path):
+    cfg = _cfg()
+    cfg.tokenizer.name_or_path = str(tmp_path / "no-such-tokenizer")
+    with pytest.raises(ShardlightError, match=r"^tokenizer not found: .*no-such-tokenizer.*tokenizer.name_or_path"):
+        build_tokenizer(cfg)
+    cfg.tokenizer.name_or_path = None
+    with pytest.raises(ShardlightError, match="tokenizer not found") as exc:
+        build_tokenizer(cfg)
+    assert "\n" not in str(exc.value)
+
+
+# --------------------------------------------------------------------------------------------- packing
+
+def test_packing_labels_and_blocks(tmp_path, tok):
+    rows = _rows(40)
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    val = _jsonl(tmp_path / "val.jsonl", rows)
+    dm = _setup(_cfg(train_files=[train], val_files=[val], seq_len=32, packing=True), tok)
+    exp_ids, exp_labels = _expected_instruction(tok, rows)
+
+    # Validation keeps the padded last block: the whole stream survives, masks exact.
+    v = dm.val_dataset
+    assert v.input_ids.shape[1] == 32 and len(v) == -(-len(exp_ids) // 32)
+    assert _stream(v) == (exp_ids, exp_labels)
+    assert _supervised_text(tok, v) == "".join(f"{r['response']}<|eos|>" for r in rows)
+    last = v[len(v) - 1]
+    pad = last["attention_mask"] == 0
+    assert pad.any() and (last["labels"][pad] == IGNORE_INDEX).all() and (last["input_ids"][pad] == 2).all()
+
+    # Training drops the partial block; every row is a full block whose labels are the ids or -100.
+    t = dm.train_dataset
+    assert len(t) == len(exp_ids) // 32 and bool(t.attention_mask.all())
+    n = len(t) * 32
+    assert t.input_ids.reshape(-1).tolist() == exp_ids[:n]
+    assert t.labels.reshape(-1).tolist() == exp_labels[:n]
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert all(v.dtype == torch.long and v.shape == (2, 32) for v in batch.values())
+
+
+def test_val_fraction_holdout_is_deterministic(tmp_path, tok):
+    train = _jsonl(tmp_path / "train.jsonl", _rows(100))
+    cfg = _cfg(train_files=[train], val_fraction=0.1, seq_len=32, packing=False)
+
+    def split(seed):
+        cfg.trainer.seed = seed
+        dm = _setup(cfg, tok)
+        return _supervised_text(tok, dm.train_dataset), _supervised_text(tok, dm.val_dataset), dm.stats
+
+    tr, va, stats = split(1)
+    assert (stats["train_examples"], stats["val_examples"]) == (90, 10)
+    answers = {f"answer {i + 1}<|eos|>" for i in range(100)}
+    val_answers = {a for a in answers if a in va}
+    assert len(val_answers) == 10 and not any(a in tr for a in val_answers)
+    assert split(1)[:2] == (tr, va)
+    assert split(2)[1] != va
+
+
+# --------------------------------------------------------------------------------------------- no packing
+
+def test_no_packing_pads_and_truncates(tmp_path, tok):
+    rows = _rows(6)
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    dm = _setup(_cfg(train_files=[train], val_files=[train], seq_len=48, packing=False), tok)
+    exp_ids, exp_labels = _expected_instruction(tok, rows)
+    ds = dm.val_dataset
+    assert ds.input_ids.shape == (6, 48)
+    assert _stream(ds) == (exp_ids, exp_labels)
+    for i in range(len(ds)):
+        row = ds[i]
+        real = row["attention_mask"].bool()
+        assert real[0] and (~real).any()  # left-aligned, right-padded
+        assert (row["input_ids"][~real] == tok.pad_token_id).all()
+        assert (row["labels"][~real] == IGNORE_INDEX).all()
+
+    # Truncated so short that no answer token is left: those rows carry no loss and are dropped.
+    n_prompt = 1 + len(tok(TEMPLATE.format(prompt=rows[0]["prompt"]), add_special_tokens=False)["input_ids"])
+    with pytest.raises(ShardlightError, match="training data gives 0 sequences of"):
+        _setup(_cfg(train_files=[train], val_files=[train], seq_len=n_prompt, packing=False), tok)
+    dm = _setup(_cfg(train_files=[train], val_files=[train], seq_len=n_prompt + 2, packing=False), tok)
+    assert len(dm.val_dataset) == 6 and count_label_tokens({"labels": dm.val_dataset.labels}) == 12
+
+
+# --------------------------------------------------------------------------------------------- chat / text
+
+CHAT = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "sum 2 2"},
+                      {"role": "assistant", "content": "4"}]}]
+
+
+def test_chat_builtin_template(tmp_path, tok):
+    assert not tok.chat_template
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT * 3)
+    dm = _setup(_cfg(train_files=[path], val_files=[path], format="chat", seq_len=128, packing=False), tok)
+    row = dm.val_dataset[0]
+    text = tok.decode(row["input_ids"][row["attention_mask"].bool()].tolist())
+    assert text == ("<|bos|><|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nhello<|eos|>\n"
+                    "<|user|>\nsum 2 2\n<|assistant|>\n4<|eos|>\n")
+    assert tok.decode(row["labels"][row["labels"] != IGNORE_INDEX].tolist()) == "hello<|eos|>4<|eos|>"
+
+
+def test_chat_tokenizer_template(tmp_path):
+    tok = build_tokenizer(_cfg())
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT * 4)
+    dm = _setup(_cfg(train_files=[path], val_files=[path], format="chat", seq_len=64, packing=True), tok)
+    ds = dm.val_dataset
+    assert tok.decode(_stream(ds)[0]) == tok.apply_chat_template(CHAT[0]["messages"], tokenize=False) * 4
+    assert _supervised_text(tok, ds) == "hello<|eos|>\n4<|eos|>\n" * 4
+
+
+def test_text_format_trains_all_tokens(tmp_path, tok):
+    (tmp_path / "corpus.txt").write_text("the cat sat\n\nthe dog ran\n")
+    cfg = _cfg(train_files=[str(tmp_path / "corpus.txt")], val_files=[str(tmp_path / "corpus.txt")],
+               format="text", seq_len=16, packing=False)
+    check_data(cfg)
+    ds = _setup(cfg, tok).val_dataset
+    assert len(ds) == 2  # the blank line is no example
+    assert tok.decode(_stream(ds)[0]) == "<|bos|>the cat sat<|eos|><|bos|>the dog ran<|eos|>"
+    assert _supervised_text(tok, ds) == "the cat sat<|eos|>the dog ran<|eos|>"
+
+
+# --------------------------------------------------------------------------------------------- check_data
+
+@pytest.mark.parametrize("name, content, pattern", [
+    ("missing.jsonl", None, r"^data file not found: .*missing\.jsonl$"),
+    ("data.xlsx", "x", r"unsupported data file type '\.xlsx'; allowed: \.jsonl, \.json, \.csv, \.parquet, \.txt"),
+    ("empty.jsonl", "", r"^data file is empty: "),
+    ("blank.jsonl", "\n  \n", r"^data file is empty: "),
+    ("field.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n',
+     r"field\.jsonl:2: row is missing field 'response' \(format: instruction needs prompt, response\)$"),
+    ("bad.jsonl", '{"prompt": "a", "response": "b"}\n\n{"prompt": "c", \n', r"bad\.jsonl:3: invalid JSON: "),
+    ("null.jsonl", '{"prompt": "a", "response": null}\n', r"null\.jsonl:1: field 'response' must be a string, got null"),
+    ("list.json", '[{"prompt": "a", "response": "b"}, {"response": "b"}]', r"list\.json: row 2: row is missing field 'prompt'"),
+    ("cols.csv", "prompt,answer\na,b\n", r"cols\.csv: missing column 'response' .*columns: prompt, answer"),
+    ("header.csv", "prompt,response\n", r"^data file is empty: "),
+    ("plain.txt", "hello\n", r"need data\.format: text"),
+])
+def test_check_data_errors(tmp_path, name, content, pattern):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ShardlightError, match=pattern) as exc:
+        check_data(_cfg(train_files=[str(path)]))
+    assert "\n" not in str(exc.value)
+
+
+def test_check_data_chat_and_valid_files(tmp_path):
+    bad = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user"}]}])
+    with pytest.raises(ShardlightError, match=r"chat\.jsonl:1: message 0 in 'messages' needs a string 'content'"):
+        check_data(_cfg(train_files=[bad], format="chat"))
+    good = _jsonl(tmp_path / "good.jsonl", _rows(3))
+    (tmp_path / "good.csv").write_text("prompt,response\na,b\n")
+    check_data(_cfg(train_files=[good], val_files=[str(tmp_path / "good.csv")]))
+    check_data(_cfg(train_files=[], dataset="some/hub-dataset"))  # hub datasets are not checked offline
+    with pytest.raises(ShardlightError, match="mixes file types"):
+        check_data(_cfg(train_files=[good, str(tmp_path / "good.csv")]))
+    with pytest.raises(ShardlightError, match="prompt_template"):
+        check_data(_cfg(train_files=[good], prompt_template="{prompt} {oops}"))
+
+
+def test_hub_dataset_offline_error(tok, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dm = SFTDataModule(_cfg(train_files=[], dataset="nobody/no-such-dataset-xyz"), tok)
+    with pytest.raises(ShardlightError, match="could not load hub dataset 'nobody/no-such-dataset-xyz'") as exc:
+        dm.setup("fit")
+    assert "\n" not in str(exc.value)
+
+
+# --------------------------------------------------------------------------------------------- loaders
+
+def test_shuffling_is_seeded(tmp_path, tok):
+    train = _jsonl(tmp_path / "train.jsonl", _rows(64))
+
+    def order(seed, epochs=1):
+        cfg = _cfg(train_files=[train], val_fraction=0.0, seq_len=24, packing=False)
+        cfg.trainer.seed = seed
+        loader = _setup(cfg, tok).train_dataloader()
+        return [b["input_ids"][:, :20].tolist() for _ in range(epochs) for b in loader]
+
+    first = order(7, epochs=2)
+    assert first == order(7, epochs=2)
+    assert first != order(8, epochs=2)
+    half = len(first) // 2
+    assert first[:half] != first[half:]  # a new permutation each epoch
+    assert all(len(b) == 2 for b in first)  # drop_last, micro_batch_size 2
+
+
+def test_recipe_with_shipped_data(tmp_path, tok):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model:\n  config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2}\n"
+        f"tokenizer:\n  name_or_path: {TOK_DIR}\n"
+        "data:\n  train_files: [data/train.jsonl]\n  val_files: [data/val.jsonl]\n  seq_len: 64\n"
+        "trainer:\n  micro_batch_size: 4\n")
+    (tmp_path / "data").mkdir()
+    for name in ("train", "val"):
+        (tmp_path / "data" / f"{name}.jsonl").write_text(
+            (REPO / "recipes" / "data" / f"tiny_sft_{name}.jsonl").read_text())
+    cfg = load_recipe(str(recipe), ["trainer.micro_batch_size=4"])
+    check_data(cfg)
+    dm = SFTDataModule(cfg, build_tokenizer(cfg))
+    dm.setup("fit")
+    assert dm.stats["train_examples"] == 4000 and dm.stats["val_examples"] == 200
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (4, 64) and count_label_tokens(batch) > 0
+    val = list(dm.val_dataloader())
+    assert sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in val) > 0
+
+    cfg.trainer.micro_batch_size = 10_000
+    with pytest.raises(ShardlightError, match="fewer than one batch"):
+        SFTDataModule(cfg, dm.tokenizer).setup("fit")
+
+
+def test_chat_template_not_prefix_stable(tmp_path):
+    """No generation prompt, last turn rendered differently: the first turn is found by its content (+ eos), the
+    last is what rendering it adds, starting at its content."""
+    tok = build_tokenizer(_cfg())
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}"
+                         "{% if loop.last and not add_generation_prompt %}!{% endif %}\n{% endfor %}")
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT * 4)
+    ds = _setup(_cfg(train_files=[path], val_files=[path], format="chat", seq_len=64, packing=True), tok).val_dataset
+    assert _supervised_text(tok, ds) == "hello<|eos|>4<|eos|>!" * 4
