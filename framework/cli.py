@@ -58,12 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--summary-json", metavar="PATH", help="write first/final val loss, steps, dirs, wall time")
     train.set_defaults(func=run_train)
 
-    try:
-        from framework.trace.cli import add_analyze_parser
-    except ImportError:  # the trace analyzer is optional at import time
-        add_analyze_parser = None
-    if add_analyze_parser is not None:
-        add_analyze_parser(sub)
+    from framework.trace.cli import add_analyze_parser
+
+    add_analyze_parser(sub)
     return parser
 
 

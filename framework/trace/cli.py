@@ -1,0 +1,69 @@
+"""``shardlight analyze``: communication vs computation from PyTorch profiler traces."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from framework.errors import ShardlightError
+
+ANALYZE_HELP = "communication vs computation per rank from PyTorch profiler traces (HTA-compatible)"
+ANALYZE_DESCRIPTION = """\
+Read PyTorch profiler (Kineto) chrome traces, one file per rank (.json or .json.gz; the rank
+comes from distributedInfo.rank), and report per rank: communication time, computation time,
+overlap %, exposed communication, idle time and span, per ProfilerStep and per collective, with
+HTA 0.5.0's definitions. GPU traces: NCCL/RCCL kernels are communication. CPU traces of gloo
+runs: gloo:* annotations are communication, main-thread aten::* ops are computation.
+"""
+
+
+def add_analyze_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "analyze",
+        help=ANALYZE_HELP,
+        description=ANALYZE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("paths", metavar="PATH", nargs="+",
+                        help="trace files, or directories holding one trace file per rank")
+    parser.add_argument("--json", metavar="OUT", dest="json_out",
+                        help="write all metrics (ranks, steps, collectives, summary) to this JSON file")
+    parser.add_argument("--plot", metavar="OUT.png", dest="plot_out",
+                        help="draw compute vs overlapped/exposed communication per rank and step")
+    parser.add_argument("--include-last-step", action="store_true",
+                        help="keep the last ProfilerStep (HTA drops it when a trace has 2 or more)")
+    parser.set_defaults(func=run_analyze)
+
+
+def run_analyze(args) -> int:
+    from framework.trace.analysis import analyze_traces
+    from framework.trace.report import format_summary, format_table, write_json, write_plot
+
+    analysis = analyze_traces(args.paths, include_last_step=args.include_last_step)
+    print(format_table(analysis))
+    summary = format_summary(analysis)
+    if summary:
+        print(summary)
+    if args.json_out:
+        write_json(analysis, args.json_out)
+        print(f"wrote {args.json_out}")
+    if args.plot_out:
+        write_plot(analysis, args.plot_out)
+        print(f"wrote {args.plot_out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="shardlight")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_analyze_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ShardlightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
