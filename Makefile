@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardlight-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +30,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Regenerate the README's recipe reference table from the schema.
+docs: setup
+	$(BIN)/python -m framework.config --update-readme README.md

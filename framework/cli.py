@@ -26,7 +26,7 @@ def run_train(args: argparse.Namespace) -> int:
     from framework.config import load_recipe, to_yaml
 
     recipe, overrides = _split_recipe_and_overrides(args.items)
-    cfg = load_recipe(recipe, overrides)
+    cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Overrides use OmegaConf dotted keys, e.g. trainer.max_steps=50 fsdp.sharding_strategy=SHARD_GRAD_OP.",
     )
     train.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe file, then overrides")
+    train.add_argument("--accelerate-config", metavar="FILE",
+                       help="an `accelerate config` YAML; its FSDP/process values land in fsdp:/trainer:")
     train.add_argument("--print-config", action="store_true", help="print the fully resolved recipe as YAML and exit")
     train.add_argument("--summary-json", metavar="PATH", help="write first/final val loss, steps, dirs, wall time")
     train.set_defaults(func=run_train)

@@ -111,11 +111,22 @@ class TrainerConfig:
 
 @dataclass
 class FSDPConfig:
-    """Accelerate's ``FullyShardedDataParallelPlugin`` vocabulary (same names and meanings)."""
+    """Accelerate's ``FullyShardedDataParallelPlugin`` fields, same names and meanings.
 
-    fsdp_version: int = field(default=1, metadata={"help": "1: FullyShardedDataParallel."})
-    sharding_strategy: str = field(
-        default="FULL_SHARD", metadata={"help": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2."}
+    ``null`` means Accelerate's default for the chosen ``fsdp_version``. shardlight's own defaults
+    differ from Accelerate's in three places, each to hide communication better: transformer-block
+    wrapping (Accelerate: NO_WRAP, a single unit), BACKWARD_PRE prefetch for FSDP1 (Accelerate:
+    none) and ``use_orig_params: true`` for FSDP1 (needed for per-parameter optimizer groups).
+    """
+
+    fsdp_version: int = field(default=1, metadata={"help": "1: FullyShardedDataParallel; 2: fully_shard (DTensor)."})
+    sharding_strategy: Optional[str] = field(
+        default=None,
+        metadata={"help": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 (null: FULL_SHARD)."},
+    )
+    reshard_after_forward: Optional[Any] = field(
+        default=None,
+        metadata={"help": "FSDP2: free gathered params after forward (true ~ FULL_SHARD, false ~ SHARD_GRAD_OP)."},
     )
     auto_wrap_policy: str = field(
         default="TRANSFORMER_BASED_WRAP", metadata={"help": "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."}
@@ -126,21 +137,53 @@ class FSDPConfig:
     transformer_layer_cls_to_wrap: Optional[List[str]] = field(
         default=None, metadata={"help": "Alias of transformer_cls_names_to_wrap (Accelerate's config name)."}
     )
-    min_num_params: int = field(default=100_000_000, metadata={"help": "Unit size for SIZE_BASED_WRAP."})
+    min_num_params: Optional[int] = field(
+        default=None, metadata={"help": "SIZE_BASED_WRAP: parameters per unit at least (null: 0, as Accelerate)."}
+    )
     backward_prefetch: Optional[str] = field(
-        default="BACKWARD_PRE", metadata={"help": "BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH."}
+        default=None,
+        metadata={"help": "FSDP1: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH (null: BACKWARD_PRE; FSDP2: invalid)."},
     )
-    forward_prefetch: bool = field(default=False, metadata={"help": "Issue the next all-gather during forward."})
-    limit_all_gathers: bool = field(default=True, metadata={"help": "Rate-limit all-gathers in flight."})
-    use_orig_params: bool = field(default=True, metadata={"help": "Keep original parameters visible."})
+    forward_prefetch: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: issue the next all-gather during forward (null: false; FSDP2: invalid)."}
+    )
+    limit_all_gathers: bool = field(default=True, metadata={"help": "FSDP1: rate-limit all-gathers in flight."})
+    use_orig_params: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: keep original parameters visible (null: true; FSDP2 always does)."}
+    )
     cpu_offload: bool = field(default=False, metadata={"help": "Offload parameters and gradients to CPU."})
-    state_dict_type: str = field(
-        default="FULL_STATE_DICT", metadata={"help": "FULL_STATE_DICT or SHARDED_STATE_DICT."}
+    offload_params: Optional[bool] = field(
+        default=None, metadata={"help": "Alias of cpu_offload (Accelerate's config name)."}
     )
-    sync_module_states: bool = field(default=False, metadata={"help": "Broadcast rank 0's weights at wrap time."})
-    activation_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block in backward."})
+    state_dict_type: Optional[str] = field(
+        default=None,
+        metadata={"help": "FULL_STATE_DICT or SHARDED_STATE_DICT (null: FULL for FSDP1, SHARDED for FSDP2)."},
+    )
+    sync_module_states: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: broadcast rank 0's weights at wrap time (null: false)."}
+    )
+    cpu_ram_efficient_loading: Optional[bool] = field(
+        default=None, metadata={"help": "Load pretrained weights on rank 0 only and broadcast them (null: false)."}
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute each transformer block in backward (non-reentrant)."}
+    )
     mixed_precision: Optional[str] = field(
-        default=None, metadata={"help": "Param/reduce dtype inside FSDP: null, bf16, fp16 or fp32."}
+        default=None,
+        metadata={"help": "FSDP param/reduce dtype: bf16, fp16, fp32 or no (null: from trainer.precision)."},
+    )
+    mixed_precision_policy: Optional[str] = field(
+        default=None, metadata={"help": "Alias of mixed_precision (Accelerate's field name)."}
+    )
+    sync_each_batch: bool = field(
+        default=False,
+        metadata={"help": "Reduce-scatter on every micro-batch under accumulation (less memory, more traffic)."},
+    )
+    mesh_shape: Optional[List[int]] = field(
+        default=None, metadata={"help": "HYBRID_SHARD (replicate, shard) mesh (null: (num_nodes, devices))."}
+    )
+    wrap_report_tiny_unit_params: int = field(
+        default=1_000_000, metadata={"help": "Wrap report: warn when units are smaller than this."}
     )
 
 
@@ -164,6 +207,32 @@ class LoggingConfig:
 
 
 @dataclass
+class CommCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
+    every_n_steps: int = field(default=50, metadata={"help": "Steps between profiling windows (plus one early)."})
+
+
+@dataclass
+class MemoryCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Log memory headroom and shard bytes per rank."})
+
+
+@dataclass
+class ThroughputCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
+    peak_tflops: Optional[float] = field(
+        default=None, metadata={"help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."}
+    )
+
+
+@dataclass
+class CallbacksConfig:
+    comm: CommCallbackConfig = field(default_factory=CommCallbackConfig)
+    memory: MemoryCallbackConfig = field(default_factory=MemoryCallbackConfig)
+    throughput: ThroughputCallbackConfig = field(default_factory=ThroughputCallbackConfig)
+
+
+@dataclass
 class RecipeConfig:
     name: Optional[str] = field(default=None, metadata={"help": "Recipe name (null: the recipe file's stem)."})
     base: Optional[str] = field(default=None, metadata={"help": "Recipe merged underneath this one."})
@@ -175,6 +244,7 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
 
 
 ALLOWED_VALUES = {
@@ -184,17 +254,17 @@ ALLOWED_VALUES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
     "trainer.accelerator": ("auto", "cpu", "gpu", "cuda"),
-    "fsdp.fsdp_version": (1,),
-    "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"),
+    "fsdp.fsdp_version": (1, 2),
+    "fsdp.sharding_strategy": (None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"),
     "fsdp.auto_wrap_policy": ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
     "fsdp.backward_prefetch": (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
-    "fsdp.state_dict_type": ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "fsdp.state_dict_type": (None, "FULL_STATE_DICT", "SHARDED_STATE_DICT"),
     "fsdp.mixed_precision": (None, "no", "bf16", "fp16", "fp32"),
     "logging.wandb.mode": (None, "online", "offline", "disabled"),
 }
 POSITIVE = ("optim.lr", "trainer.max_steps", "trainer.micro_batch_size", "trainer.accumulate_grad_batches",
             "trainer.devices", "trainer.num_nodes", "trainer.log_every_n_steps", "trainer.val_every_n_steps",
-            "data.seq_len", "fsdp.min_num_params")
+            "data.seq_len")
 NON_NEGATIVE = ("optim.weight_decay", "optim.warmup_steps", "optim.eps", "optim.min_lr_ratio", "data.num_workers")
 
 
@@ -236,7 +306,8 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
 
 
 _NESTED = {cls.__name__: cls for cls in (ModelConfig, TokenizerConfig, DataConfig, OptimConfig, TrainerConfig,
-                                          FSDPConfig, WandbConfig, LoggingConfig)}
+                                          FSDPConfig, WandbConfig, LoggingConfig, CommCallbackConfig,
+                                          MemoryCallbackConfig, ThroughputCallbackConfig, CallbacksConfig)}
 
 # Paths in a recipe file are relative to that file, so a recipe works from any directory.
 _FILE_LIST_KEYS = ("train_files", "val_files")
@@ -292,12 +363,28 @@ def _parse_overrides(overrides: List[str]) -> dict:
     return parsed
 
 
-def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> RecipeConfig:
-    """Recipe file (or the default) + overrides → validated ``RecipeConfig``."""
+def _normalize_raw(raw: dict) -> None:
+    """Accelerate writes class lists as comma-separated strings; accept them as such."""
+    fsdp = raw.get("fsdp")
+    if isinstance(fsdp, dict):
+        for key in ("transformer_cls_names_to_wrap", "transformer_layer_cls_to_wrap"):
+            if isinstance(fsdp.get(key), str):
+                fsdp[key] = [name.strip() for name in fsdp[key].split(",") if name.strip()]
+
+
+def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = None,
+                accelerate_config: Optional[str] = None) -> RecipeConfig:
+    """Recipe file (or the default) [+ an ``accelerate config`` YAML] + overrides → validated ``RecipeConfig``."""
     recipe_path = Path(path) if path else DEFAULT_RECIPE
     chain = _recipe_chain(recipe_path)
+    if accelerate_config:
+        from framework.strategy.options import accelerate_config_overrides
+
+        chain.append((f"accelerate config {accelerate_config}", accelerate_config_overrides(accelerate_config)))
     override_dict = _parse_overrides(list(overrides or []))
     _check_keys(override_dict, RecipeConfig, "", "command-line overrides")
+    for _, raw in chain + [("", override_dict)]:
+        _normalize_raw(raw)
     for _, raw in chain[:-1]:
         raw.pop("name", None)  # a run is named after the recipe it was started from, not its base
     merged = OmegaConf.structured(RecipeConfig)
@@ -318,9 +405,16 @@ def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = Non
 
 
 def _merge_fsdp_aliases(fsdp: FSDPConfig) -> None:
+    """Accelerate spells some options two ways; keep one spelling in the resolved recipe."""
     if fsdp.transformer_layer_cls_to_wrap and not fsdp.transformer_cls_names_to_wrap:
         fsdp.transformer_cls_names_to_wrap = list(fsdp.transformer_layer_cls_to_wrap)
     fsdp.transformer_layer_cls_to_wrap = None
+    if fsdp.offload_params is not None:
+        fsdp.cpu_offload = bool(fsdp.offload_params)
+    fsdp.offload_params = None
+    if fsdp.mixed_precision_policy is not None and fsdp.mixed_precision is None:
+        fsdp.mixed_precision = str(fsdp.mixed_precision_policy).lower()
+    fsdp.mixed_precision_policy = None
     for key in ("sharding_strategy", "auto_wrap_policy", "backward_prefetch", "state_dict_type"):
         value = getattr(fsdp, key)
         if isinstance(value, str):
@@ -368,3 +462,45 @@ def to_yaml(cfg: RecipeConfig) -> str:
 
 def to_dict(cfg: RecipeConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def recipe_reference_markdown() -> str:
+    """The README's recipe reference table, generated from the schema so the two cannot drift."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(schema: type, prefix: str) -> None:
+        for f in dataclasses.fields(schema):
+            if isinstance(f.type, str) and f.type in _NESTED:
+                walk(_NESTED[f.type], f"{prefix}{f.name}.")
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                default = f.default_factory()  # type: ignore[misc]
+            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+            shown = shown.replace("\n", "\\n")
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {f.metadata.get('help', '')} |")
+
+    walk(RecipeConfig, "")
+    return "\n".join(rows) + "\n"
+
+
+README_TABLE_START = "<!-- recipe-reference:start (generated by `make docs`) -->\n"
+README_TABLE_END = "<!-- recipe-reference:end -->"
+
+
+def update_readme(path: str) -> None:
+    text = Path(path).read_text()
+    head, rest = text.split(README_TABLE_START)
+    _, tail = rest.split(README_TABLE_END)
+    Path(path).write_text(head + README_TABLE_START + recipe_reference_markdown() + README_TABLE_END + tail)
+
+
+if __name__ == "__main__":
+    import sys
+
+    # `python -m framework.config --update-readme README.md` (make docs); otherwise print the table.
+    if sys.argv[1:2] == ["--update-readme"]:
+        update_readme(sys.argv[2])
+    else:
+        print(recipe_reference_markdown(), end="")

@@ -34,11 +34,12 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from None
 
 
-def build_hf_model(cfg: ModelConfig, config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
+def build_hf_model(cfg: ModelConfig, config: Optional[PretrainedConfig] = None, weights: bool = True) -> PreTrainedModel:
+    """``from_pretrained`` for a path or hub id, ``from_config`` for an inline config (or ``weights=False``)."""
     kwargs: Dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    if cfg.config is not None:
+    if cfg.config is not None or not weights:
         return AutoModelForCausalLM.from_config(config or build_hf_config(cfg), **kwargs)
     return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
 
@@ -81,7 +82,12 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = build_hf_model(self.cfg.model)
+            if self.cfg.fsdp.cpu_ram_efficient_loading and self.global_rank != 0:
+                # Only rank 0 reads the checkpoint; FSDP materializes the others and broadcasts rank 0's weights.
+                with torch.device("meta"):
+                    self.model = build_hf_model(self.cfg.model, weights=False)
+            else:
+                self.model = build_hf_model(self.cfg.model)
             # FSDP flattens parameters to 1-D shards, so decide what gets weight decay before wrapping.
             self._decay_names = {f"model.{n}" for n, p in self.model.named_parameters() if p.dim() >= 2}
 

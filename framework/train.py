@@ -26,6 +26,7 @@ def preflight(cfg: RecipeConfig):
     """Everything that can be checked without training: bad input fails here with one clear line."""
     from framework.data import build_tokenizer, check_data
     from framework.model import build_hf_config
+    from framework.strategy import find_block_classes, resolve_recipe_fsdp
 
     check_data(cfg)
     tokenizer = build_tokenizer(cfg)
@@ -38,16 +39,27 @@ def preflight(cfg: RecipeConfig):
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         raise ShardlightError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab}")
+    resolved = resolve_recipe_fsdp(cfg)
+    if cfg.trainer.precision.startswith("16") and not _uses_gpu(cfg):
+        raise ShardlightError(f"trainer.precision {cfg.trainer.precision} needs a GPU; use bf16-mixed on CPU")
+    if resolved.cpu_ram_efficient_loading and (resolved.version == 2 or cfg.model.name_or_path is None):
+        raise ShardlightError(
+            "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
+        )
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         from transformers import AutoModelForCausalLM
-
-        from framework.strategy import find_block_classes
 
         # A model on the meta device costs no memory and shows the block classes before ranks spawn.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
         find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
     return tokenizer
+
+
+def _uses_gpu(cfg: RecipeConfig) -> bool:
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        return True
+    return cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
 
 
 def is_launched_rank() -> bool:
@@ -110,10 +122,19 @@ def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
     return loggers
 
 
+def build_callbacks(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
+    from callbacks import build_callbacks as build
+
+    return build(cfg, run_dir)
+
+
 def build_strategy(cfg: RecipeConfig):
     from framework.strategy import ShardlightFSDPStrategy
 
-    return ShardlightFSDPStrategy(cfg.fsdp, num_threads=cfg.trainer.num_threads)
+    t = cfg.trainer
+    return ShardlightFSDPStrategy(
+        cfg.fsdp, precision=t.precision, num_nodes=t.num_nodes, devices=t.devices, num_threads=t.num_threads
+    )
 
 
 def build_trainer(cfg: RecipeConfig, run_dir: Path):
@@ -138,6 +159,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path):
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         logger=build_loggers(cfg, run_dir),
+        callbacks=build_callbacks(cfg, run_dir),
         default_root_dir=str(run_dir),
         use_distributed_sampler=True,
     )
@@ -226,6 +248,11 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
     trainer.fit(module, datamodule=datamodule)
     if module.last_val_loss is None or trainer.global_step % cfg.trainer.val_every_n_steps != 0:
         trainer.validate(module, datamodule=datamodule, verbose=False)
+    wrap = getattr(trainer.strategy, "wrap_report", None)
+    if wrap and trainer.is_global_zero:
+        (run_dir / "wrap_report.json").write_text(json.dumps(wrap, indent=2) + "\n")
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"fsdp_wrap_report": wrap})
     model_dir = run_dir / "model"
     save_hf_model(trainer, module, tokenizer, model_dir)
     export_diff = verify_export(trainer, model_dir, run_dir, module.model.config.vocab_size, cfg.trainer.seed)

@@ -37,7 +37,7 @@ def test_default_recipe_two_ranks_full_shard_learns_and_exports(tmp_path, cli):
         env={"WANDB_API_KEY": SECRET},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "FSDP FULL_SHARD: 3 units" in result.stdout + result.stderr
+    assert "FSDP FULL_SHARD: 3 units on 2 ranks" in result.stdout + result.stderr
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 200 and summary["world_size"] == 2
     assert summary["final_val_loss"] <= 0.6 * summary["first_val_loss"], summary

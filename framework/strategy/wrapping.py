@@ -1,0 +1,114 @@
+"""Which modules become FSDP units, and the wrap report that says whether that is a good idea."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from torch import nn
+
+from framework.errors import ShardlightError
+
+GUIDELINE_MIN_PARAMS = 50_000_000
+GUIDELINE_MAX_PARAMS = 200_000_000
+
+
+def find_block_classes(model: nn.Module, names: Optional[List[str]]) -> List[type]:
+    """Module classes to wrap, by name; no names → the HF model's ``_no_split_modules`` (as Accelerate does)."""
+    if not names:
+        names = []
+        for module in model.modules():
+            names.extend(getattr(module, "_no_split_modules", None) or [])
+        if not names:
+            raise ShardlightError(
+                "fsdp.auto_wrap_policy TRANSFORMER_BASED_WRAP: the model declares no _no_split_modules; "
+                "set fsdp.transformer_cls_names_to_wrap"
+            )
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in dict.fromkeys(names) if n not in present]
+    wanted = [n for n in dict.fromkeys(names) if n in present]
+    if missing and not wanted:
+        raise ShardlightError(
+            f"fsdp.transformer_cls_names_to_wrap: {', '.join(missing)} not found in the model; "
+            f"module classes present: {', '.join(sorted(present))}"
+        )
+    return [present[n] for n in wanted]
+
+
+def _own_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
+
+
+def size_based_units(root: nn.Module, min_num_params: int) -> List[nn.Module]:
+    """The modules torch's ``size_based_auto_wrap_policy`` wraps: bottom-up, once the parameters not yet
+    in a unit reach ``min_num_params`` (containers and the root itself excluded)."""
+    units: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        remaining = _own_numel(module) + sum(visit(child) for child in module.children())
+        wrappable = module is not root and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if wrappable and remaining >= max(min_num_params, 1):
+            units.append(module)
+            return 0
+        return remaining
+
+    visit(root)
+    return units
+
+
+def unit_modules(model: nn.Module, auto_wrap_policy: str, class_names: Optional[List[str]],
+                 min_num_params: Optional[int]) -> List[nn.Module]:
+    """The non-root FSDP units, innermost first (the order ``fully_shard`` must see them)."""
+    if auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        classes = tuple(find_block_classes(model, class_names))
+        return [m for m in model.modules() if isinstance(m, classes)][::-1]
+    if auto_wrap_policy == "SIZE_BASED_WRAP":
+        return size_based_units(model, min_num_params or 0)
+    return []
+
+
+def wrap_report(model: nn.Module, units: List[nn.Module], tiny_unit_params: int = 1_000_000) -> Dict:
+    """Units, parameters per unit and what to worry about; computed before sharding, so sizes are full."""
+    unit_ids = {id(m) for m in units}
+    sizes = []
+    for unit in units:
+        nested = {id(p) for m in unit.modules() if m is not unit and id(m) in unit_ids for p in m.parameters()}
+        sizes.append(sum(p.numel() for p in unit.parameters() if id(p) not in nested))
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    root_params = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    total = sum(p.numel() for p in model.parameters())
+    warnings = []
+    if not units:
+        warnings.append(
+            "a single FSDP unit: every all-gather covers the whole model and there is no compute to hide it "
+            "behind; wrap transformer blocks (auto_wrap_policy: TRANSFORMER_BASED_WRAP)"
+        )
+    elif statistics.median(sizes) < tiny_unit_params:
+        warnings.append(
+            f"units are tiny (median {int(statistics.median(sizes)):,} params < {tiny_unit_params:,}): "
+            "per-collective latency dominates; wrap larger modules"
+        )
+    report = {
+        "units": len(units) + 1,
+        "params_total": total,
+        "params_per_unit": {
+            "min": min(sizes) if sizes else 0,
+            "median": int(statistics.median(sizes)) if sizes else 0,
+            "max": max(sizes) if sizes else 0,
+        },
+        "root_params": root_params,
+        "unit_class": sorted({type(u).__name__ for u in units}),
+        "warnings": warnings,
+        "guideline": f"large models: aim for {GUIDELINE_MIN_PARAMS // 1_000_000}-{GUIDELINE_MAX_PARAMS // 1_000_000}M "
+                     "params per unit to amortize collective latency while keeping the all-gather buffer small",
+    }
+    return report
+
+
+def format_wrap_report(report: Dict, strategy: str, world_size: int) -> str:
+    per = report["params_per_unit"]
+    return (
+        f"FSDP {strategy}: {report['units']} units on {world_size} ranks "
+        f"({', '.join(report['unit_class']) or 'root only'}); params per unit min/median/max "
+        f"{per['min']:,}/{per['median']:,}/{per['max']:,}, root {report['root_params']:,}"
+    )
