@@ -210,11 +210,27 @@ class LoggingConfig:
 class CommCallbackConfig:
     enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
     every_n_steps: int = field(default=50, metadata={"help": "Steps between profiling windows (plus one early)."})
+    first_step: Optional[int] = field(
+        default=5, metadata={"help": "Step of the early profiling window (null or 0: none)."}
+    )
+    wait: int = field(default=0, metadata={"help": "Profiler schedule: steps skipped at a window's start."})
+    warmup: int = field(default=1, metadata={"help": "Profiler schedule: warm-up steps (traced, not recorded)."})
+    active: int = field(
+        default=2, metadata={"help": "Profiler schedule: recorded steps (the last is dropped in analysis, as HTA)."}
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
+    keep_windows: Optional[int] = field(
+        default=10, metadata={"help": "Keep the traces of this many latest windows in run_dir/traces (null: all)."}
+    )
 
 
 @dataclass
 class MemoryCallbackConfig:
     enabled: bool = field(default=True, metadata={"help": "Log memory headroom and shard bytes per rank."})
+    every_n_steps: Optional[int] = field(
+        default=None, metadata={"help": "Steps between memory logs (null: trainer.log_every_n_steps)."}
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log memory/rank<R>/... keys for every rank."})
 
 
 @dataclass
@@ -222,6 +238,20 @@ class ThroughputCallbackConfig:
     enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
     peak_tflops: Optional[float] = field(
         default=None, metadata={"help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."}
+    )
+    peak_tflops_table: Dict[str, float] = field(
+        default_factory=dict,
+        metadata={"help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in A100/H100/H200 table."},
+    )
+    baseline_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSON with tokens_per_sec_per_device (shardlight profile) for scaling efficiency."},
+    )
+    every_n_steps: Optional[int] = field(
+        default=None, metadata={"help": "Steps between throughput logs (null: trainer.log_every_n_steps)."}
+    )
+    measure_flops: bool = field(
+        default=True, metadata={"help": "Count FLOPs/token with torch.utils.flop_counter (false: 6N + attention)."}
     )
 
 

@@ -78,6 +78,7 @@ class CausalLMModule(pl.LightningModule):
         self.last_val_loss: Optional[float] = None
         self.tokens_seen = 0
         self._val_sums = torch.zeros(2, dtype=torch.float64)
+        self._train_window = torch.zeros(3, dtype=torch.float64)
         self._decay_names: set = set()
 
     def configure_model(self) -> None:
@@ -107,12 +108,29 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, count = self._loss_sum(batch)
         loss = loss_sum / count.clamp(min=1)
-        tokens = self.trainer.strategy.reduce(batch["attention_mask"].sum().float(), reduce_op="sum")
-        self.tokens_seen += int(tokens.item())
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].size(0))
-        self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+        # Summed locally; reduced across ranks once per logging step, not once per micro-batch.
+        one = torch.ones((), dtype=torch.float64, device=loss.device)
+        self._train_window += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double()])
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps and step < trainer.max_steps:
+            return
+        totals = trainer.strategy.reduce(self._train_window.clone(), reduce_op="sum")
+        self._train_window = torch.zeros_like(self._train_window)
+        if totals[1] > 0:
+            self.tokens_seen += int(totals[2].item())
+            # Micro-batch losses averaged over ranks and the window (each micro-batch weighs the same).
+            self.log("train/loss", float(totals[0] / totals[1]), prog_bar=True, rank_zero_only=True)
+            self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+
+    def on_train_start(self) -> None:
+        self._train_window = torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -146,7 +164,8 @@ class CausalLMModule(pl.LightningModule):
             norm = clip(max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
-        self.log("train/grad_norm", float(norm), rank_zero_only=True)
+        self.log("train/grad_norm", norm.detach().float() if torch.is_tensor(norm) else float(norm),
+                 rank_zero_only=True)
 
     def configure_optimizers(self) -> Dict[str, Any]:
         optim = self.cfg.optim

@@ -153,7 +153,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path):
         # val_check_interval counts micro-batches; the recipe counts optimizer steps.
         val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches,
         check_val_every_n_epoch=None,
-        num_sanity_val_steps=-1,  # the full validation pass before step 1 is first_val_loss
+        num_sanity_val_steps=-1 if t.limit_val_batches != 0 else 0,  # the pass before step 1 = first_val_loss
         limit_val_batches=t.limit_val_batches,
         enable_checkpointing=False,
         enable_progress_bar=t.progress_bar,
@@ -246,7 +246,8 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
     datamodule = SFTDataModule(cfg, tokenizer)
     trainer = build_trainer(cfg, run_dir)
     trainer.fit(module, datamodule=datamodule)
-    if module.last_val_loss is None or trainer.global_step % cfg.trainer.val_every_n_steps != 0:
+    validating = cfg.trainer.limit_val_batches != 0
+    if validating and (module.last_val_loss is None or trainer.global_step % cfg.trainer.val_every_n_steps != 0):
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wrap = getattr(trainer.strategy, "wrap_report", None)
     if wrap and trainer.is_global_zero:
@@ -272,6 +273,7 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
         if summary_json:
             Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
             Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"shardlight: {summary['steps']} steps, val loss {summary['first_val_loss']:.4f} -> "
-              f"{summary['final_val_loss']:.4f}, model in {model_dir}")
+        losses = "" if module.first_val_loss is None else (
+            f", val loss {module.first_val_loss:.4f} -> {module.last_val_loss:.4f}")
+        print(f"shardlight: {summary['steps']} steps{losses}, model in {model_dir}")
     return summary

@@ -33,3 +33,14 @@ def run_cli(args, cwd=None, timeout=600, env=None):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def forbid_training(monkeypatch):
+    """Bad-input tests call the CLI in-process; if validation ever let a case through, Lightning would
+    re-launch pytest itself as rank 1. Fail at the Trainer instead."""
+    import framework.train
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input reached the Trainer")
+
+    monkeypatch.setattr(framework.train, "build_trainer", refuse)

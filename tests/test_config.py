@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from conftest import DEFAULT_RECIPE, REPO
+from conftest import forbid_training, DEFAULT_RECIPE, REPO
 from framework.cli import main
 from framework.config import load_recipe, to_yaml
 from framework.errors import ShardlightError
@@ -88,7 +88,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,recipe,overrides,expected", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_one_clear_line(tmp_path, capsys, name, recipe, overrides, expected):
+def test_bad_input_is_one_clear_line(tmp_path, capsys, monkeypatch, name, recipe, overrides, expected):
+    forbid_training(monkeypatch)
     out_dir = tmp_path / "out"
     if recipe == "MISSING":
         path = str(tmp_path / "missing.yaml")
@@ -106,7 +107,8 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, name, recipe, overrides, 
     assert not out_dir.exists(), "nothing may be written before the input is valid"
 
 
-def test_bad_data_rows_name_file_and_line(tmp_path, capsys):
+def test_bad_data_rows_name_file_and_line(tmp_path, capsys, monkeypatch):
+    forbid_training(monkeypatch)
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     code = main(["train", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data}]"])

@@ -99,11 +99,10 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
         prefetch = plugin.backward_prefetch.name if plugin.backward_prefetch is not None else None
         forward_prefetch, use_orig = bool(plugin.forward_prefetch), bool(plugin.use_orig_params)
     else:
-        if strategy is not None:
-            reshard, hybrid = _FSDP2_EQUIVALENT[strategy]
-        else:
-            reshard = True if fsdp.reshard_after_forward is None else fsdp.reshard_after_forward
-            hybrid = False
+        # FSDP2 speaks reshard_after_forward; sharding_strategy only picks its default and the mesh.
+        reshard, hybrid = _FSDP2_EQUIVALENT[strategy or "FULL_SHARD"]
+        if fsdp.reshard_after_forward is not None:
+            reshard = fsdp.reshard_after_forward
         plugin = _plugin(
             fsdp_version=2,
             reshard_after_forward=str(reshard).lower() if not isinstance(reshard, bool) else reshard,
@@ -116,7 +115,7 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
             mixed_precision_policy=fsdp.mixed_precision if fsdp.mixed_precision not in (None, "no") else None,
         )
         reshard = bool(plugin.reshard_after_forward)
-        if strategy is None:
+        if strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"):
             strategy = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
         prefetch, forward_prefetch, use_orig = None, False, True
     mixed = fsdp.mixed_precision if fsdp.mixed_precision not in (None, "no") else _PRECISION_TO_FSDP.get(precision)
@@ -193,7 +192,7 @@ def accelerate_config_overrides(path: str) -> Dict[str, Any]:
     fsdp_fields = {f.name for f in fields(FSDPConfig)}
     fsdp: Dict[str, Any] = {}
     for key, value in (data.get("fsdp_config") or {}).items():
-        name = key[len("fsdp_"):] if key.startswith("fsdp_") else key
+        name = key[len("fsdp_"):] if key.startswith("fsdp_") and key != "fsdp_version" else key
         if name not in fsdp_fields:
             close = difflib.get_close_matches(name, sorted(fsdp_fields), n=1)
             hint = f"; did you mean 'fsdp_{close[0]}'?" if close else ""
