@@ -294,7 +294,7 @@ ALLOWED_VALUES = {
 }
 POSITIVE = ("optim.lr", "trainer.max_steps", "trainer.micro_batch_size", "trainer.accumulate_grad_batches",
             "trainer.devices", "trainer.num_nodes", "trainer.log_every_n_steps", "trainer.val_every_n_steps",
-            "data.seq_len")
+            "data.seq_len", "callbacks.comm.every_n_steps", "callbacks.comm.active")
 NON_NEGATIVE = ("optim.weight_decay", "optim.warmup_steps", "optim.eps", "optim.min_lr_ratio", "data.num_workers")
 
 

@@ -100,25 +100,28 @@ def wandb_mode(cfg: RecipeConfig) -> str:
 
 
 def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    from lightning.pytorch.loggers import CSVLogger
+
+    from callbacks import build_wandb_logger
 
     loggers: List[Any] = []
     if cfg.logging.csv:
         loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
     if cfg.logging.wandb.enabled and wandb_mode(cfg) != "disabled":
         wb = cfg.logging.wandb
-        loggers.append(
-            WandbLogger(
-                project=wb.project,
-                entity=wb.entity,
-                group=wb.group,
-                name=wb.name or f"{cfg.name}/{run_dir.name}",
-                tags=list(wb.tags) or None,
-                save_dir=str(run_dir),  # its default "." would override WANDB_DIR
-                mode=wandb_mode(cfg),
-                config=to_dict(cfg),
-            )
+        # W&B failing (misconfigured, unwritable, unreachable) is a warning; the CSV twin keeps every metric.
+        logger = build_wandb_logger(
+            project=wb.project,
+            entity=wb.entity,
+            group=wb.group,
+            name=wb.name or f"{cfg.name}/{run_dir.name}",
+            tags=list(wb.tags) or None,
+            save_dir=str(run_dir),  # its default "." would override WANDB_DIR
+            mode=wandb_mode(cfg),
+            config=to_dict(cfg),
         )
+        if logger is not None:
+            loggers.append(logger)
     return loggers
 
 

@@ -1,0 +1,200 @@
+"""Helpers shared by the observability callbacks: cross-rank gathering, logging, W&B grouping, tensors."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+GB = 1e9  # the *_gb metrics are decimal gigabytes (10^9 bytes)
+
+
+def warn(message: str) -> None:
+    """A visible warning that never stops training (prefixed so it is easy to grep for)."""
+    warnings.warn(f"shardlight: {message}", RuntimeWarning, stacklevel=2)
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if dist_ready() else 1
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if dist_ready() else 0
+
+
+def gather(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` (a small picklable value), in rank order, on every rank. A collective."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def log_metrics(trainer: Any, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+    """Rank 0 hands ``metrics`` to every Lightning logger (W&B and the CSV twin); one failing logger
+    is a warning and does not keep the others from getting the metrics."""
+    if not trainer.is_global_zero or not metrics:
+        return
+    clean = {k: float(v) for k, v in metrics.items() if finite(v)}
+    step = trainer.global_step if step is None else step
+    for logger in trainer.loggers:
+        try:
+            logger.log_metrics(clean, step=step)
+        except Exception as exc:  # noqa: BLE001 - a logger must never stop training
+            warn(f"{type(logger).__name__} could not log metrics: {type(exc).__name__}: {exc}")
+
+
+def wandb_runs(trainer: Any) -> List[Any]:
+    """The live W&B runs behind the trainer's loggers (rank 0 only; none when W&B is off or broken)."""
+    if not trainer.is_global_zero:
+        return []
+    from lightning.pytorch.loggers import WandbLogger
+
+    runs = []
+    for logger in trainer.loggers:
+        if not isinstance(logger, WandbLogger):
+            continue
+        try:
+            run = logger.experiment
+        except Exception as exc:  # noqa: BLE001
+            warn(f"W&B unavailable ({type(exc).__name__}: {exc}); metrics still go to the CSV logger")
+            continue
+        if hasattr(run, "define_metric") and hasattr(run, "log") and "DummyExperiment" not in type(run).__name__:
+            runs.append(run)
+    return runs
+
+
+def define_wandb_group(trainer: Any, prefix: str, summaries: Optional[Dict[str, str]] = None) -> None:
+    """``define_metric`` so a group (``comm/*``, ``memory/*``, ...) shares the step axis and panel section."""
+    for run in wandb_runs(trainer):
+        try:
+            run.define_metric(f"{prefix}/*", step_metric="trainer/global_step", step_sync=True)
+            for key, summary in (summaries or {}).items():
+                run.define_metric(key, step_metric="trainer/global_step", summary=summary)
+        except Exception as exc:  # noqa: BLE001
+            warn(f"W&B define_metric for {prefix}/* failed: {type(exc).__name__}: {exc}")
+
+
+def log_table(trainer: Any, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+              csv_path: Optional[Path] = None) -> None:
+    """A W&B Table (rank 0) and its CSV twin (``csv_path``)."""
+    if not trainer.is_global_zero or not rows:
+        return
+    if csv_path is not None:
+        try:
+            csv_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(csv_path, "w", newline="") as fh:
+                writer = csv.writer(fh)
+                writer.writerow(columns)
+                writer.writerows(rows)
+        except OSError as exc:
+            warn(f"could not write {csv_path}: {exc}")
+    runs = wandb_runs(trainer)
+    if not runs:
+        return
+    try:
+        import wandb
+
+        table = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+        for run in runs:
+            run.log({key: table, "trainer/global_step": trainer.global_step})
+    except Exception as exc:  # noqa: BLE001
+        warn(f"W&B table {key} failed: {type(exc).__name__}: {exc}")
+
+
+def aggregate(prefix_metrics: Iterable[str], per_rank: List[Optional[Dict[str, float]]],
+              worst: str = "max") -> Dict[str, float]:
+    """``key`` (the worst rank's value), ``key_min``, ``key_max``, ``key_mean`` over ranks with a value."""
+    out: Dict[str, float] = {}
+    for key in prefix_metrics:
+        values = [r[key] for r in per_rank if r is not None and finite(r.get(key))]
+        if not values:
+            continue
+        out[f"{key}_min"] = min(values)
+        out[f"{key}_max"] = max(values)
+        out[f"{key}_mean"] = sum(values) / len(values)
+        out[key] = min(values) if worst == "min" else max(values) if worst == "max" else out[f"{key}_mean"]
+    return out
+
+
+def per_rank_key(key: str, rank_index: int) -> str:
+    """``comm/total_ms`` → ``comm/rank0/total_ms`` (same W&B section as the aggregate)."""
+    group, _, name = key.partition("/")
+    return f"{group}/rank{rank_index}/{name}"
+
+
+def local_tensor(tensor: Any) -> Optional[torch.Tensor]:
+    """The rank-local part of a parameter/gradient/state tensor (FSDP2 DTensor → ``to_local()``)."""
+    if tensor is None or not isinstance(tensor, torch.Tensor):
+        return None
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is not None:
+        try:
+            tensor = to_local()
+        except Exception:  # noqa: BLE001
+            return None
+    return tensor
+
+
+def storage_bytes(tensors: Iterable[Any], seen: Optional[set] = None) -> int:
+    """Bytes of the distinct storages behind ``tensors``: exact local memory, each storage once.
+
+    FSDP1 (``use_orig_params``) parameters are views into one flat shard per unit, so the flat shard
+    (with its padding) is what is counted; FSDP2 DTensors count their padded local shard.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for raw in tensors:
+        tensor = local_tensor(raw)
+        if tensor is None or tensor.device.type == "meta":
+            continue
+        try:
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            nbytes = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = ("id", id(tensor)), tensor.numel() * tensor.element_size()
+        if nbytes == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += nbytes
+    return total
+
+
+def root_module(trainer: Any, pl_module: Any) -> Any:
+    """The module that owns the (possibly sharded) parameters: the FSDP1 root, or the LightningModule."""
+    model = getattr(trainer.strategy, "model", None)
+    return model if model is not None else pl_module
+
+
+class RankTable:
+    """Latest per-rank values pushed by the callbacks; written once at the end as a W&B Table + CSV."""
+
+    def __init__(self) -> None:
+        self.rows: Dict[int, Dict[str, Any]] = {}
+
+    def update(self, rank_index: int, values: Dict[str, Any]) -> None:
+        self.rows.setdefault(rank_index, {}).update(values)
+
+    def columns(self) -> List[str]:
+        keys: List[str] = []
+        for row in self.rows.values():
+            keys.extend(k for k in row if k not in keys)
+        return ["rank"] + keys
+
+    def as_rows(self) -> List[List[Any]]:
+        columns = self.columns()[1:]
+        return [[r] + [self.rows[r].get(c) for c in columns] for r in sorted(self.rows)]

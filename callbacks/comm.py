@@ -1,0 +1,289 @@
+"""CommTimeCallback: collective time, exposed communication and overlap, measured live in short windows.
+
+Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
+``torch.profiler`` window (schedule wait/warmup/active), exports its trace to
+``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` and analyses it with the trace analyzer
+(:mod:`framework.trace`, the same code as ``shardlight analyze``): NCCL kernels on GPU, gloo work on CPU.
+The per-rank results are gathered to rank 0, which logs per step of the window (ms per step):
+
+* aggregated (mean over ranks): ``comm/all_gather_ms``, ``comm/reduce_scatter_ms``, ``comm/all_reduce_ms``,
+  ``comm/total_ms``, ``comm/exposed_ms``, ``comm/overlap_pct``, ``comm/compute_ms``, ``comm/ratio``
+  (communication / computation time), ``step/time_ms``; each also as ``<key>_min``/``_max``/``_mean``;
+* ``comm/slowest_rank``: the rank holding the cross-rank maximum of ``comm/total_ms``
+  (``comm/total_ms_max``); ``step/slowest_rank`` likewise for ``step/time_ms``;
+* per rank (``per_rank``): ``comm/rank<R>/<name>`` and ``step/rank<R>/time_ms``.
+
+Re-analyse a window offline with ``shardlight analyze run_dir/traces/step_<N>/``: it drops the last
+recorded step as this callback does (HTA's rule), so both report the same communication time.
+
+The trace export and the analysis run in a background thread while training goes on; the results are gathered
+``gather_delay`` (5) steps after the window (or at the end of training) and logged at the window's last
+step. A profiler or analysis failure on a rank is a warning; the window is skipped on that rank and
+training goes on. Every rank joins the result gather at the same, precomputed step, failed or not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from callbacks._common import (
+    RankTable,
+    aggregate,
+    define_wandb_group,
+    gather,
+    log_metrics,
+    per_rank_key,
+    rank,
+    warn,
+)
+
+COLLECTIVE_KEYS = {"all_gather": "comm/all_gather_ms", "reduce_scatter": "comm/reduce_scatter_ms",
+                   "all_reduce": "comm/all_reduce_ms"}
+METRIC_KEYS = ("comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
+               "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms")
+TRACE_DIR = "traces"
+
+
+def window_metrics(result: Dict[str, Any], step_seconds: Dict[int, float]) -> Dict[str, float]:
+    """Per-step metrics (ms per step) of one rank's analysed window.
+
+    ``result`` is ``analyze_trace_file``'s dict; totals are divided by the number of profiler steps it
+    analysed. ``step_seconds`` maps a ``ProfilerStep`` number to its wall time.
+    """
+    steps = [s for s in result.get("steps", {}) if s.isdigit()]
+    count = max(1, len(steps))
+    per_step_ms = 1e-3 / count
+    metrics = {key: 0.0 for key in COLLECTIVE_KEYS.values()}
+    for collective, values in result.get("by_collective", {}).items():
+        key = COLLECTIVE_KEYS.get(collective)
+        if key:
+            metrics[key] = values["comm_us"] * per_step_ms
+    metrics["comm/total_ms"] = result["comm_us"] * per_step_ms
+    metrics["comm/exposed_ms"] = result["exposed_comm_us"] * per_step_ms
+    metrics["comm/overlap_pct"] = float(result["overlap_pct"])
+    metrics["comm/compute_ms"] = result["compute_us"] * per_step_ms
+    if result.get("comm_to_compute") is not None:
+        metrics["comm/ratio"] = float(result["comm_to_compute"])
+    walls = [step_seconds[int(s)] for s in steps if int(s) in step_seconds]
+    if walls:
+        metrics["step/time_ms"] = 1e3 * sum(walls) / len(walls)
+    metrics["comm/window_steps"] = float(len(steps))
+    return metrics
+
+
+class CommTimeCallback(Callback):
+    """Profile a window of steps on every rank, analyse it, log comm vs compute per rank and aggregated.
+
+    Args:
+        run_dir: the run directory; traces go to ``run_dir/traces/step_<N>/``.
+        every_n_steps: optimizer steps between windows (windows start at multiples of it).
+        first_step: the early window's first step (None or 0: none).
+        wait, warmup, active: ``torch.profiler.schedule`` of a window (``active`` steps are recorded).
+        per_rank: also log ``comm/rank<R>/...`` keys.
+        keep_windows: keep the traces of the last this-many windows (None: all).
+        table: where the latest per-rank values go for the end-of-run table.
+        gather_delay: steps between a window's end and the cross-rank gather of its results (the
+            analysis runs in a background thread meanwhile); metrics are logged at the window's end step.
+    """
+
+    def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
+                 warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
+                 table: Optional[RankTable] = None, gather_delay: int = 5) -> None:
+        if every_n_steps <= 0 or active <= 0 or wait < 0 or warmup < 0:
+            raise ValueError("callbacks.comm: every_n_steps and active must be positive, wait/warmup >= 0")
+        self.trace_root = Path(run_dir) / TRACE_DIR
+        self.every_n_steps = every_n_steps
+        self.first_step = first_step or None
+        self.wait, self.warmup, self.active = wait, warmup, active
+        self.length = wait + warmup + active
+        self.per_rank = per_rank
+        self.keep_windows = keep_windows
+        self.table = table
+        self.gather_delay = gather_delay
+        self.windows_logged = 0
+        self._window: Optional[Dict[str, Any]] = None
+        self._pending: Optional[Dict[str, Any]] = None
+        self._last_step = -1
+        self._saved: List[Path] = []
+
+    # --- schedule -------------------------------------------------------------------------------------
+    def is_window_start(self, step: int, max_steps: int) -> bool:
+        if step + self.length > max_steps:
+            return False
+        return (step > 0 and step % self.every_n_steps == 0) or step == self.first_step
+
+    @staticmethod
+    def _max_steps(trainer: Any) -> int:
+        max_steps = trainer.max_steps
+        if max_steps is None or max_steps < 0:
+            try:
+                max_steps = int(trainer.estimated_stepping_batches)
+            except Exception:  # noqa: BLE001
+                max_steps = 2**62
+        return max_steps
+
+    # --- hooks ----------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
+        define_wandb_group(trainer, "step")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._window is not None or step == self._last_step:
+            return
+        self._last_step = step  # first micro-batch of this optimizer step
+        if not self.is_window_start(step, self._max_steps(trainer)):
+            return
+        if self._pending is not None:
+            self._collect(trainer)
+        window: Dict[str, Any] = {"start": step, "end": step + self.length, "prof": None, "error": None,
+                                  "file": None, "seconds": {}}
+        self._window = window
+        try:
+            directory = self.trace_root / f"step_{step:06d}"
+            directory.mkdir(parents=True, exist_ok=True)
+            window["file"] = directory / f"rank{rank()}.pt.trace.json"
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if trainer.strategy.root_device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+                on_trace_ready=lambda p: window.__setitem__("recorded", True),  # exported off the hot path
+                record_shapes=False, profile_memory=False, with_stack=False,
+            )
+            prof.start()
+            window["prof"] = prof
+            window["t"] = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - profiling must never stop training
+            self._fail(window, "start", exc)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pending = self._pending
+        if pending is not None and trainer.global_step >= pending["gather_step"]:
+            self._collect(trainer)
+        window = self._window
+        if window is None or trainer.global_step == window.get("done_step"):
+            return
+        if trainer.global_step <= window["start"]:
+            return  # accumulation: the optimizer step has not happened yet
+        window["done_step"] = trainer.global_step
+        prof = window["prof"]
+        if prof is not None:
+            try:
+                now = time.perf_counter()
+                window["seconds"][prof.step_num] = now - window["t"]
+                if trainer.global_step >= window["end"] and prof.current_action.name != "RECORD_AND_SAVE":
+                    raise RuntimeError(f"schedule out of step ({prof.current_action.name})")
+                prof.step()  # the last active step's step() stops recording
+                window["t"] = time.perf_counter()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(window, "step/export", exc)
+        if trainer.global_step >= window["end"]:
+            self._finish(trainer, window)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        window, self._window = self._window, None
+        if window is not None and window["prof"] is not None:
+            try:  # training ended inside a window (early stop): drop it, no collective
+                window["prof"].stop()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._pending is not None:  # every rank has the same pending window: the gather matches
+            self._collect(trainer)
+
+    # --- window end -------------------------------------------------------------------------------------
+    def _fail(self, window: Dict[str, Any], stage: str, exc: BaseException) -> None:
+        window["error"] = f"{stage}: {type(exc).__name__}: {exc}"
+        prof, window["prof"] = window["prof"], None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        warn(f"comm window at step {window['start']} skipped on rank {rank()} ({window['error']})")
+
+    def _analyse(self, window: Dict[str, Any], prof: Any) -> None:
+        """Export and analyse this rank's trace (in a background thread: it overlaps the next steps)."""
+        try:
+            from framework.trace import analyze_trace_file
+
+            prof.export_chrome_trace(str(window["file"]))
+            result = analyze_trace_file(window["file"])
+            window["result"] = {"metrics": window_metrics(result, window["seconds"])}
+        except Exception as exc:  # noqa: BLE001
+            window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
+
+    def _finish(self, trainer: Any, window: Dict[str, Any]) -> None:
+        """Window recorded: stop the profiler and start export + analysis in a thread; the results are
+        gathered ``gather_delay`` steps later, so that this work overlaps training instead of stalling it."""
+        self._window = None
+        prof, window["prof"] = window["prof"], None
+        thread = None
+        if window["error"] is None:
+            try:
+                prof.stop()
+                if not window.get("recorded"):
+                    raise RuntimeError("the profiler recorded nothing")
+                thread = threading.Thread(target=self._analyse, args=(window, prof),
+                                          name="shardlight-comm-analysis", daemon=True)
+                thread.start()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(window, "analysis", exc)
+        self._pending = {"window": window, "thread": thread,
+                         "gather_step": trainer.global_step + self.gather_delay}
+
+    def _collect(self, trainer: Any) -> None:
+        """Join the analysis and gather every rank's result (all ranks, at the same step)."""
+        pending, self._pending = self._pending, None
+        window = pending["window"]
+        if pending["thread"] is not None:
+            pending["thread"].join()
+        local = window.get("result") or {"error": window["error"] or "no result"}
+        if "error" in local and window["error"] is None:
+            window["error"] = local["error"]
+            warn(f"comm window at step {window['start']} skipped on rank {rank()} ({local['error']})")
+        results = gather(local)
+        if trainer.is_global_zero:
+            self._log(trainer, window, results)
+            self._prune(window)
+
+    def _log(self, trainer: Any, window: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
+        failed = [r for r, res in enumerate(results) if "metrics" not in res]
+        if failed:
+            reasons = "; ".join(f"rank {r}: {results[r].get('error')}" for r in failed[:4])
+            warn(f"comm window at step {window['start']}: no result from rank(s) {failed} ({reasons})")
+        per_rank = [res.get("metrics") for res in results]
+        if all(m is None for m in per_rank):
+            return
+        metrics = aggregate(METRIC_KEYS, per_rank, worst="mean")
+        for key, slow_key in (("comm/total_ms", "comm/slowest_rank"), ("step/time_ms", "step/slowest_rank")):
+            candidates = [(m[key], r) for r, m in enumerate(per_rank) if m is not None and key in m]
+            if candidates:
+                metrics[slow_key] = float(max(candidates)[1])
+        for r, m in enumerate(per_rank):
+            if m is None:
+                continue
+            if self.per_rank:
+                metrics.update({per_rank_key(k, r): v for k, v in m.items() if k in METRIC_KEYS})
+            if self.table is not None:
+                self.table.update(r, {k: m.get(k) for k in METRIC_KEYS})
+        metrics["comm/window_start_step"] = float(window["start"])
+        log_metrics(trainer, metrics, step=window["end"])
+        self.windows_logged += 1
+
+    def _prune(self, window: Dict[str, Any]) -> None:
+        if window.get("file") is None:
+            return
+        self._saved.append(window["file"].parent)
+        if self.keep_windows is None or self.keep_windows <= 0:
+            return
+        while len(self._saved) > self.keep_windows:
+            shutil.rmtree(self._saved.pop(0), ignore_errors=True)

@@ -1,0 +1,297 @@
+"""Observability callbacks: real 2-rank gloo fits of the default recipe (FULL_SHARD, NO_SHARD, faults),
+checked through metrics.csv, the offline W&B run's records and ``shardlight analyze``; plus unit checks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from callbacks._common import aggregate, per_rank_key, storage_bytes
+from callbacks.comm import CommTimeCallback, window_metrics
+from callbacks.throughput import lookup_peak_tflops, read_baseline
+
+COMM_KEYS = ["comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
+             "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms",
+             "comm/total_ms_max", "comm/slowest_rank"]
+MEMORY_KEYS = ["memory/headroom_gb", "memory/peak_gb", "memory/params_gb", "memory/grads_gb", "memory/optim_gb",
+               "memory/fullest_rank"]
+THROUGHPUT_KEYS = ["throughput/tokens_per_sec_per_device", "throughput/mfu", "throughput/scaling_efficiency"]
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+def read_wandb_records(path: Path) -> list:
+    """The records of an offline W&B run's ``.wandb`` file, parsed with wandb's own protobuf ``Record``.
+
+    The file is a LevelDB-style log: a 7-byte header (``:W&B``, magic 0xBEE1, version), then 32 KiB blocks
+    of chunks, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last); a block
+    tail shorter than a chunk header is zero padding.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path}: not a .wandb file"
+    block, header = 32768, 7
+    records, pending, pos = [], b"", 7
+    while pos + header <= len(data):
+        left = block - pos % block
+        if left < header:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + header:pos + header + length]
+        pos += header + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(run_dir: Path):
+    """(history rows as {key: value}, metric definitions) of the run's single offline W&B run."""
+    files = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(files) == 1, files
+    rows, metrics = [], {}
+    for record in read_wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                row[key] = json.loads(item.value_json) if item.value_json else None
+            rows.append(row)
+        elif kind == "metric":
+            metrics[record.metric.glob_name or record.metric.name] = record.metric
+    return rows, metrics
+
+
+def read_csv(run_dir: Path) -> list:
+    with open(run_dir / "csv" / "metrics.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def values(rows: list, key: str) -> list:
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
+
+def model_param_bytes() -> int:
+    """Total parameter bytes of the default recipe's model, counted from the model itself."""
+    from framework.config import load_recipe
+    from framework.model import build_hf_model
+
+    cfg = load_recipe(None, [])
+    model = build_hf_model(cfg.model)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def train(cli, tmp: Path, *overrides, env=None):
+    summary = tmp / "summary.json"
+    result = cli(["train", f"output_dir={tmp / 'runs'}", "trainer.progress_bar=false", "--summary-json",
+                  str(summary), *overrides], env=env)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(summary.read_text()), result
+
+
+# --- real runs ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_shard_run(tmp_path_factory):
+    from conftest import run_cli
+
+    tmp = tmp_path_factory.mktemp("full_shard")
+    baseline = tmp / "baseline.json"
+    baseline.write_text(json.dumps({"tokens_per_sec_per_device": 1000.0}))
+    summary, result = train(
+        run_cli, tmp, "trainer.max_steps=40", "callbacks.comm.every_n_steps=20", "logging.wandb.mode=offline",
+        "callbacks.throughput.peak_tflops=100", f"callbacks.throughput.baseline_file={baseline}",
+    )
+    return Path(summary["run_dir"]), result
+
+
+slow = pytest.mark.slow
+
+
+@slow
+def test_full_shard_metrics_in_csv_are_sane(full_shard_run):
+    run_dir, _ = full_shard_run
+    rows = read_csv(run_dir)
+    for key in COMM_KEYS + MEMORY_KEYS + THROUGHPUT_KEYS:
+        assert values(rows, key), f"{key} missing from metrics.csv"
+    windows = values(rows, "comm/window_start_step")
+    assert windows == [5.0, 20.0], windows  # once early, then every 20 steps
+    for row in rows:
+        if not row.get("comm/total_ms"):
+            continue
+        total, exposed = float(row["comm/total_ms"]), float(row["comm/exposed_ms"])
+        assert total > 0 and float(row["comm/all_gather_ms"]) > 0 and float(row["comm/compute_ms"]) > 0
+        assert 0 <= exposed <= total + 1e-9
+        assert 0 <= float(row["comm/overlap_pct"]) <= 100
+        assert float(row["step/time_ms"]) > 0 and float(row["comm/slowest_rank"]) in (0.0, 1.0)
+        for r in (0, 1):
+            assert float(row[per_rank_key("comm/total_ms", r)]) > 0
+            assert float(row[per_rank_key("comm/exposed_ms", r)]) <= float(row[per_rank_key("comm/total_ms", r)])
+    assert all(v > 0 for v in values(rows, "memory/headroom_gb"))
+    assert all(v > 0 for v in values(rows, "memory/peak_gb"))
+    assert all(v > 0 for v in values(rows, "throughput/tokens_per_sec_per_device"))
+    assert all(0 < v < 1 for v in values(rows, "throughput/mfu"))
+    tps, eff = values(rows, "throughput/tokens_per_sec_per_device"), values(rows, "throughput/scaling_efficiency")
+    assert eff == pytest.approx([v / 1000.0 for v in tps], rel=1e-6)
+
+
+@slow
+def test_full_shard_local_shard_bytes_are_half_the_model(full_shard_run):
+    run_dir, _ = full_shard_run
+    rows = read_csv(run_dir)
+    total = model_param_bytes()
+    for r in (0, 1):
+        params = values(rows, per_rank_key("memory/params_gb", r))[-1] * 1e9
+        grads = values(rows, per_rank_key("memory/grads_gb", r))[-1] * 1e9
+        optim = values(rows, per_rank_key("memory/optim_gb", r))[-1] * 1e9
+        # FULL_SHARD on 2 ranks: half the parameters (+ FSDP's alignment padding of the flat shards)
+        assert params == pytest.approx(total / 2, rel=0.01), (r, params, total)
+        assert grads == pytest.approx(params, rel=0.01)
+        assert optim == pytest.approx(2 * params, rel=0.02)  # AdamW: exp_avg + exp_avg_sq
+    table = list(csv.DictReader(open(run_dir / "ranks.csv")))
+    assert [row["rank"] for row in table] == ["0", "1"]
+    assert int(table[0]["memory/params_bytes"]) == pytest.approx(total / 2, rel=0.01)
+
+
+@slow
+def test_full_shard_wandb_run_holds_the_same_keys(full_shard_run):
+    run_dir, result = full_shard_run
+    history, metrics = wandb_history(run_dir)
+    logged = set().union(*history)
+    csv_keys = {k for k in read_csv(run_dir)[0] if k.startswith(("comm/", "memory/", "throughput/", "step/"))}
+    assert csv_keys and csv_keys <= logged, sorted(csv_keys - logged)
+    for group in ("comm/*", "memory/*", "throughput/*", "step/*"):
+        assert metrics[group].step_metric == "trainer/global_step", group
+    assert metrics["memory/headroom_gb"].summary.min
+    # a logged Table is a history item with nested keys (ranks/table → _type, nrows, ...)
+    table_rows = [row for row in history if row.get("ranks/table/_type") == "table-file"]
+    assert len(table_rows) == 1 and table_rows[0]["ranks/table/nrows"] == 2, [r for r in history if "ranks" in str(r)]
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1, "only rank 0 starts a W&B run"
+
+
+@slow
+def test_full_shard_live_comm_time_matches_shardlight_analyze(full_shard_run, tmp_path, cli):
+    run_dir, _ = full_shard_run
+    rows = read_csv(run_dir)
+    for start in (5, 20):
+        window = run_dir / "traces" / f"step_{start:06d}"
+        assert sorted(p.name for p in window.iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+        out = tmp_path / f"analysis_{start}.json"
+        result = cli(["analyze", str(window), "--json", str(out)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        analysis = json.loads(out.read_text())
+        row = next(r for r in rows if r.get("comm/window_start_step") and float(r["comm/window_start_step"]) == start)
+        for r in ("0", "1"):
+            ranked = analysis["ranks"][r]
+            assert ranked["mode"] == "gloo"
+            steps = [s for s in ranked["steps"] if s != "unassigned"]
+            offline_ms = ranked["comm_us"] / len(steps) / 1000
+            live_ms = float(row[per_rank_key("comm/total_ms", int(r))])
+            assert live_ms == pytest.approx(offline_ms, rel=0.05), (start, r, live_ms, offline_ms)
+
+
+@slow
+def test_no_shard_holds_the_whole_model_per_rank(tmp_path, cli):
+    summary, _ = train(cli, tmp_path, "fsdp.sharding_strategy=NO_SHARD", "trainer.max_steps=12",
+                       "trainer.val_every_n_steps=12", "logging.wandb.enabled=false")
+    rows = read_csv(Path(summary["run_dir"]))
+    total = model_param_bytes()
+    for r in (0, 1):
+        params = values(rows, per_rank_key("memory/params_gb", r))[-1] * 1e9
+        assert params == pytest.approx(total, rel=0.01), (r, params, total)
+    comm_rows = [r for r in rows if r.get("comm/total_ms")]
+    assert len(comm_rows) == 1  # the early window at step 5
+    assert float(comm_rows[0]["comm/all_reduce_ms"]) > 0  # NO_SHARD reduces gradients with all-reduce
+    assert float(comm_rows[0]["comm/all_gather_ms"]) == 0
+
+
+@slow
+def test_wandb_and_profiler_failures_are_warnings(tmp_path, cli):
+    """W&B's directory and the traces directory are files: W&B cannot start and the profiler window
+    cannot be written; both are warnings, training finishes and the CSV twin has the other metrics."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "wandb").write_text("not a directory")
+    (run_dir / "traces").write_text("not a directory")
+    summary, result = train(cli, tmp_path, "trainer.max_steps=12", "trainer.val_every_n_steps=12",
+                            "logging.wandb.mode=offline", env={"SHARDLIGHT_RUN_DIR": str(run_dir)})
+    assert summary["steps"] == 12
+    assert "shardlight: W&B start failed" in result.stderr
+    assert "comm window at step 5 skipped" in result.stderr
+    rows = read_csv(run_dir)
+    assert not values(rows, "comm/total_ms")
+    for key in MEMORY_KEYS + ["throughput/tokens_per_sec_per_device"]:
+        assert values(rows, key), key
+    assert values(rows, "train/loss")
+
+
+# --- unit checks ----------------------------------------------------------------------------------------
+
+def test_window_metrics_are_per_analysed_step():
+    result = {
+        "comm_us": 4000, "exposed_comm_us": 3000, "compute_us": 8000, "overlap_pct": 25.0, "comm_to_compute": 0.5,
+        "by_collective": {"all_gather": {"comm_us": 3000}, "reduce_scatter": {"comm_us": 1000}},
+        "steps": {"1": {}, "2": {}, "unassigned": {}},
+    }
+    metrics = window_metrics(result, {1: 0.010, 2: 0.012, 3: 0.5})
+    assert metrics["comm/total_ms"] == pytest.approx(2.0)
+    assert metrics["comm/exposed_ms"] == pytest.approx(1.5)
+    assert metrics["comm/all_gather_ms"] == pytest.approx(1.5)
+    assert metrics["comm/all_reduce_ms"] == 0.0
+    assert metrics["comm/compute_ms"] == pytest.approx(4.0)
+    assert metrics["step/time_ms"] == pytest.approx(11.0)
+    assert metrics["comm/ratio"] == 0.5 and metrics["comm/overlap_pct"] == 25.0
+
+
+def test_window_schedule_once_early_then_every_n():
+    callback = CommTimeCallback(Path("/nonexistent"), every_n_steps=50, first_step=5, warmup=1, active=2)
+    starts = [s for s in range(0, 200) if callback.is_window_start(s, max_steps=200)]
+    assert starts == [5, 50, 100, 150]  # 197 + 3 > 200: no window that cannot finish
+
+
+def test_peak_table_and_overrides():
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed") == pytest.approx(989.4)
+    assert lookup_peak_tflops("NVIDIA H100 PCIe", "bf16-mixed") == pytest.approx(756.5)
+    assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "32-true") == pytest.approx(19.5)
+    assert lookup_peak_tflops("NVIDIA H200", "bf16-true") == pytest.approx(989.4)
+    assert lookup_peak_tflops("NVIDIA B200", "bf16-mixed") is None
+    assert lookup_peak_tflops("NVIDIA B200", "bf16-mixed", {"B200": 2250}) == 2250
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed", {"H100": 900}) == 900
+
+
+def test_baseline_file(tmp_path):
+    assert read_baseline(None) is None
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"tokens_per_sec_per_device": 123.0}))
+    assert read_baseline(str(path)) == 123.0
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert read_baseline(str(tmp_path / "missing.json")) is None
+
+
+def test_storage_bytes_counts_each_storage_once():
+    flat = torch.zeros(100)
+    views = [flat[:30].view(5, 6), flat[30:100]]
+    assert storage_bytes(views) == 400
+    assert storage_bytes([torch.zeros(3), None, torch.zeros(0)]) == 12
+
+
+def test_aggregate_worst_min_max_mean():
+    per_rank = [{"memory/headroom_gb": 3.0}, None, {"memory/headroom_gb": 1.0}]
+    out = aggregate(["memory/headroom_gb"], per_rank, worst="min")
+    assert out == {"memory/headroom_gb": 1.0, "memory/headroom_gb_min": 1.0, "memory/headroom_gb_max": 3.0,
+                   "memory/headroom_gb_mean": 2.0}
