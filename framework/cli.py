@@ -1,4 +1,4 @@
-"""The ``shardlight`` command: ``train``, ``analyze``."""
+"""The ``shardlight`` command: ``train``, ``analyze``, ``plan``, ``profile``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     from framework.trace.cli import add_analyze_parser
 
     add_analyze_parser(sub)
+    from framework.export import add_checkpoint_parsers
+
+    add_checkpoint_parsers(sub)
+    from framework.planner.cli import add_planner_parsers
+
+    add_planner_parsers(sub)
+    from launch.cli import add_launch_parser
+
+    add_launch_parser(sub)
     return parser
 
 

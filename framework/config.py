@@ -107,6 +107,9 @@ class TrainerConfig:
         default=None, metadata={"help": "torch threads per rank on CPU (null: cores / ranks on the node)."}
     )
     progress_bar: bool = field(default=True, metadata={"help": "Show Lightning's progress bar on rank 0."})
+    collective_timeout_s: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait for a dead or hung rank before failing."}
+    )
 
 
 @dataclass
@@ -263,6 +266,24 @@ class CallbacksConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = field(default=True, metadata={"help": "Save sharded (DCP) checkpoints to run_dir/checkpoints/."})
+    every_n_steps: Optional[int] = field(
+        default=100, metadata={"help": "Optimizer steps between checkpoints (null: only at the end)."}
+    )
+    keep_last: Optional[int] = field(default=2, metadata={"help": "Keep this many newest checkpoints (null: all)."})
+    save_last: bool = field(default=True, metadata={"help": "Also save when training ends."})
+
+
+@dataclass
+class LaunchConfig:
+    env: Dict[str, str] = field(
+        default_factory=dict,
+        metadata={"help": "Environment for launched jobs (e.g. NCCL_* settings); written into sbatch scripts."},
+    )
+
+
+@dataclass
 class RecipeConfig:
     name: Optional[str] = field(default=None, metadata={"help": "Recipe name (null: the recipe file's stem)."})
     base: Optional[str] = field(default=None, metadata={"help": "Recipe merged underneath this one."})
@@ -275,6 +296,17 @@ class RecipeConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    resume: Optional[str] = field(
+        default=None, metadata={"help": "auto (newest complete checkpoint, if any) or a checkpoint/run dir path."}
+    )
+    resume_dir: Optional[str] = field(
+        default=None, metadata={"help": "resume=auto: the run dir to look in (null: newest run of this recipe)."}
+    )
+    export: bool = field(
+        default=False, metadata={"help": "After training, export the final checkpoint to run_dir/export (verified)."}
+    )
 
 
 ALLOWED_VALUES = {
@@ -294,7 +326,7 @@ ALLOWED_VALUES = {
 }
 POSITIVE = ("optim.lr", "trainer.max_steps", "trainer.micro_batch_size", "trainer.accumulate_grad_batches",
             "trainer.devices", "trainer.num_nodes", "trainer.log_every_n_steps", "trainer.val_every_n_steps",
-            "data.seq_len", "callbacks.comm.every_n_steps", "callbacks.comm.active")
+            "data.seq_len", "callbacks.comm.every_n_steps", "callbacks.comm.active", "trainer.collective_timeout_s")
 NON_NEGATIVE = ("optim.weight_decay", "optim.warmup_steps", "optim.eps", "optim.min_lr_ratio", "data.num_workers")
 
 
@@ -337,7 +369,8 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
 
 _NESTED = {cls.__name__: cls for cls in (ModelConfig, TokenizerConfig, DataConfig, OptimConfig, TrainerConfig,
                                           FSDPConfig, WandbConfig, LoggingConfig, CommCallbackConfig,
-                                          MemoryCallbackConfig, ThroughputCallbackConfig, CallbacksConfig)}
+                                          MemoryCallbackConfig, ThroughputCallbackConfig, CallbacksConfig,
+                                          CheckpointConfig, LaunchConfig)}
 
 # Paths in a recipe file are relative to that file, so a recipe works from any directory.
 _FILE_LIST_KEYS = ("train_files", "val_files")
@@ -482,8 +515,17 @@ def validate(cfg: RecipeConfig) -> None:
         raise ShardlightError("model.config must name its architecture with model_type (e.g. llama)")
     if not cfg.data.train_files and not cfg.data.dataset:
         raise ShardlightError("data: set data.train_files (local files) or data.dataset (hub dataset)")
+    secrets = [k for k in cfg.launch.env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
+    if secrets:
+        raise ShardlightError(
+            f"launch.env.{secrets[0]} looks like a secret; recipes and job scripts are written to disk, so export "
+            "it in the submitting shell instead (sbatch passes the environment through)"
+        )
     if cfg.data.format == "instruction" and "{prompt}" not in cfg.data.prompt_template:
         raise ShardlightError("data.prompt_template must contain {prompt}")
+    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last"):
+        if get_key(cfg, key) is not None and get_key(cfg, key) <= 0:
+            raise ShardlightError(f"{key} must be positive or null, got {get_key(cfg, key)}")
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

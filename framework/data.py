@@ -452,7 +452,10 @@ class SFTDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.cfg.data.num_workers
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed) if train else None
-        return DataLoader(dataset, batch_size=self.cfg.trainer.micro_batch_size, shuffle=train,
+        from framework.checkpoint import ResumableDataLoader  # training resumes mid-epoch from a checkpoint
+
+        loader_cls = ResumableDataLoader if train else DataLoader
+        return loader_cls(dataset, batch_size=self.cfg.trainer.micro_batch_size, shuffle=train,
                           generator=generator, drop_last=train, num_workers=workers,
                           persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
 

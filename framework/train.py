@@ -99,14 +99,39 @@ def wandb_mode(cfg: RecipeConfig) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
+def _appending_csv_logger(run_dir: Path):
+    """Lightning's CSVLogger deletes an existing metrics.csv; a resumed (e.g. requeued) run must append."""
+    import csv
+
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class AppendingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            if self._fs.isfile(self.metrics_file_path):
+                with open(self.metrics_file_path, newline="") as fh:
+                    self.metrics_keys = list(csv.DictReader(fh).fieldnames or [])
+
+    class AppendingCSVLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> ExperimentWriter:
+            if self._experiment is None:
+                self._fs.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = AppendingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return AppendingCSVLogger(save_dir=str(run_dir), name="csv", version="")
+
+
+def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
 
     from callbacks import build_wandb_logger
 
     loggers: List[Any] = []
     if cfg.logging.csv:
-        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        loggers.append(_appending_csv_logger(run_dir))
     if cfg.logging.wandb.enabled and wandb_mode(cfg) != "disabled":
         wb = cfg.logging.wandb
         # W&B failing (misconfigured, unwritable, unreachable) is a warning; the CSV twin keeps every metric.
@@ -119,6 +144,9 @@ def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
             save_dir=str(run_dir),  # its default "." would override WANDB_DIR
             mode=wandb_mode(cfg),
             config=to_dict(cfg),
+            # A requeued Slurm job keeps its id (set in the sbatch script), so it continues the same W&B run.
+            **({"id": os.environ["SHARDLIGHT_WANDB_RUN_ID"], "resume": "allow"}
+               if os.environ.get("SHARDLIGHT_WANDB_RUN_ID") else {}),
         )
         if logger is not None:
             loggers.append(logger)
@@ -127,16 +155,26 @@ def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
 
 def build_callbacks(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
     from callbacks import build_callbacks as build
+    from framework.checkpoint import build_checkpoint_callback
 
-    return build(cfg, run_dir)
+    callbacks = build(cfg, run_dir)
+    checkpoint = build_checkpoint_callback(cfg, run_dir)  # sharded checkpoints and resume
+    if "SLURM_JOB_ID" in os.environ:
+        from callbacks.preemption import PreemptionCallback
+
+        callbacks.append(PreemptionCallback())  # SIGUSR1/SIGTERM: checkpoint, requeue, exit
+    return callbacks + ([checkpoint] if checkpoint is not None else [])
 
 
 def build_strategy(cfg: RecipeConfig):
+    from datetime import timedelta
+
     from framework.strategy import ShardlightFSDPStrategy
 
     t = cfg.trainer
     return ShardlightFSDPStrategy(
-        cfg.fsdp, precision=t.precision, num_nodes=t.num_nodes, devices=t.devices, num_threads=t.num_threads
+        cfg.fsdp, precision=t.precision, num_nodes=t.num_nodes, devices=t.devices, num_threads=t.num_threads,
+        timeout=timedelta(seconds=t.collective_timeout_s),
     )
 
 
@@ -144,7 +182,12 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path):
     import lightning.pytorch as pl
 
     t = cfg.trainer
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    # Lightning's own SLURM requeue saves inside the signal handler (hangs; Lightning #21406): ours doesn't.
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
     return pl.Trainer(
+        plugins=plugins,
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
@@ -229,6 +272,21 @@ def _quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
+def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
+    """The last checkpoint and, with ``export: true``, its verified Hugging Face export (rank 0)."""
+    from framework.checkpoint import find_callback
+
+    callback = find_callback(trainer)
+    saved = callback.last_saved if callback is not None else None
+    out: Dict[str, Any] = {"checkpoint": str(saved) if saved else None}
+    if cfg.export and saved is not None and trainer.is_global_zero:
+        from framework.export import export_checkpoint
+
+        report = export_checkpoint(saved, run_dir / "export")
+        out.update(export_dir=report["out"], checkpoint_export_max_abs_diff=report["max_abs_diff"])
+    return out
+
+
 def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -239,6 +297,9 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
     _quiet_known_noise()
     tokenizer = preflight(cfg)
     run_dir = resolve_run_dir(cfg)
+    from framework.checkpoint import resolve_resume
+
+    resolve_resume(cfg, run_dir)  # before anything is written: a bad checkpoint is one clear error
     rank = global_rank()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,6 +310,12 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
     datamodule = SFTDataModule(cfg, tokenizer)
     trainer = build_trainer(cfg, run_dir)
     trainer.fit(module, datamodule=datamodule)
+    if getattr(trainer, "shardlight_preempted", False):
+        # Checkpointed and requeued: leave quickly and cleanly; the requeued job resumes and finishes.
+        summary = {"preempted": True, "steps": trainer.global_step, "run_dir": str(run_dir)}
+        if trainer.is_global_zero:
+            print(f"shardlight: preempted at step {trainer.global_step}; requeued, will resume from its checkpoint")
+        return summary
     validating = cfg.trainer.limit_val_batches != 0
     if validating and (module.last_val_loss is None or trainer.global_step % cfg.trainer.val_every_n_steps != 0):
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -271,6 +338,7 @@ def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, An
         "world_size": trainer.world_size,
         "export_max_abs_diff": export_diff,
     }
+    summary.update(_checkpoint_summary(cfg, trainer, run_dir))
     if trainer.is_global_zero:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if summary_json:

@@ -31,20 +31,53 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import bisect_right
 from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 from typing import Any, Iterable
+
+import numpy as np
 
 from framework.errors import ShardlightError
 from framework.trace import classify
-from framework.trace.intervals import merge_intervals, overlap_length, span, total_length
-from framework.trace.reader import TraceRecord
+from framework.trace.intervals import length, merge, overlap, span_of
+from framework.trace.records import TraceRecord
 
 _STEP_RE = re.compile(r"^ProfilerStep#(\d+)")
 UNASSIGNED_STEP = "unassigned"
+_KIND_CODES = {classify.COMPUTATION: 0, classify.COMMUNICATION: 1, classify.MEMORY: 2, classify.OTHER: 3}
+_COMPUTATION, _COMMUNICATION = _KIND_CODES[classify.COMPUTATION], _KIND_CODES[classify.COMMUNICATION]
 
-# An analysed event: (ts, end, kind, collective or None, launch ts or None)
-Event = tuple
+
+@dataclass
+class Events:
+    """The analysed events of a rank, by column; a missing launch time is NaN.
+
+    Columns rather than a tuple per event: a large trace has 10^5 kernels, and every metric is
+    a few array operations over them.
+    """
+
+    ts: np.ndarray
+    end: np.ndarray
+    kind: np.ndarray  # _KIND_CODES values
+    collective: np.ndarray  # objects: the collective of communication events, else None
+    launch: np.ndarray
+
+    def __len__(self) -> int:
+        return self.ts.size
+
+    def take(self, which: np.ndarray) -> Events:
+        return Events(self.ts[which], self.end[which], self.kind[which], self.collective[which], self.launch[which])
+
+    @classmethod
+    def from_tuples(cls, events: list[tuple]) -> Events:
+        """From ``(ts, end, kind, collective or None, launch or None)`` tuples."""
+        if not events:
+            empty = np.array([], dtype=np.int64)
+            return cls(empty, empty, empty.astype(np.int8), np.array([], dtype=object), empty.astype(float))
+        ts, end, kind, collective, launch = zip(*events)
+        return cls(np.array(ts), np.array(end), np.array([_KIND_CODES[k] for k in kind], dtype=np.int8),
+                   np.array(collective, dtype=object),
+                   np.array([math.nan if x is None else x for x in launch], dtype=float))
 
 
 def _rounder(record: TraceRecord):
@@ -92,22 +125,28 @@ def _step_ranges(record: TraceRecord, bounds) -> list[tuple[float, float, str]]:
     return steps
 
 
-def _gpu_events(record: TraceRecord, cutoff, include_last_step: bool, bounds, round_ts) -> list[Event]:
-    events = []
+def _gpu_events(record: TraceRecord, cutoff, include_last_step: bool) -> Events:
+    names = record.gpu_name
+    raw_ts = np.array(record.gpu_ts)
+    raw_end = raw_ts + np.array(record.gpu_dur)
     launch_ts = record.launch_ts
-    for row in record.gpu_rows:
-        if row.is_kernel:
-            raw_launch = launch_ts.get(row.correlation)
-            launch = None if raw_launch is None else round_ts(raw_launch)
-        else:
-            launch = round_ts(row.ts)
-        if not _keep(launch, cutoff, include_last_step):
-            continue
-        kind = classify.kernel_type(row.name)
-        collective = classify.nccl_collective(row.name) if kind == classify.COMMUNICATION else None
-        ts, end = bounds(row.ts, row.dur)
-        events.append((ts, end, kind, collective, launch))
-    return events
+    # A kernel is filtered by its launch call's time, anything else on a stream by its own.
+    launch = np.array([launch_ts.get(correlation, math.nan) if kernel else ts for correlation, kernel, ts
+                       in zip(record.gpu_correlation, record.gpu_is_kernel, record.gpu_ts)], dtype=float)
+    if record.float_timestamps:
+        # HTA: ceil(ts), floor(ts + dur); integer arrays then sum exactly, as Python ints did.
+        raw_ts, raw_end = np.ceil(raw_ts).astype(np.int64), np.floor(raw_end).astype(np.int64)
+        launch = np.ceil(launch)
+    codes = {name: _KIND_CODES[classify.kernel_type(name)] for name in set(names)}
+    kind = np.array([codes[name] for name in names], dtype=np.int8)
+    collective = np.full(len(names), None, dtype=object)
+    for index in np.flatnonzero(kind == _COMMUNICATION).tolist():
+        collective[index] = classify.nccl_collective(names[index])
+    events = Events(raw_ts, raw_end, kind, collective, launch)
+    if cutoff is None:
+        return events
+    # NaN (no launch call) compares false: such kernels go, as in HTA's filter.
+    return events.take(launch <= cutoff if include_last_step else launch < cutoff)
 
 
 def _main_thread(record: TraceRecord, gloo_threads: set) -> Any:
@@ -133,7 +172,7 @@ def _issuing_calls(record: TraceRecord, gloo_threads: set) -> list[tuple[float, 
     return calls
 
 
-def _gloo_events(record: TraceRecord, cutoff, include_last_step: bool, bounds, round_ts) -> list[Event]:
+def _gloo_events(record: TraceRecord, cutoff, include_last_step: bool, bounds, round_ts) -> Events:
     gloo_threads = {row.tid for row in record.gloo_rows}
     pending: dict[str, deque] = defaultdict(deque)
     for start, collective in _issuing_calls(record, gloo_threads):
@@ -164,11 +203,11 @@ def _gloo_events(record: TraceRecord, cutoff, include_last_step: bool, bounds, r
         if _keep(launch, cutoff, include_last_step):
             ts, end = bounds(row.ts, row.dur)
             events.append((ts, end, classify.COMPUTATION, None, launch))
-    return events
+    return Events.from_tuples(events)
 
 
 def trace_mode(record: TraceRecord) -> str:
-    if record.gpu_rows:
+    if record.gpu_ts:
         return "gpu"
     if record.gloo_rows:
         return "gloo"
@@ -179,7 +218,7 @@ def trace_mode(record: TraceRecord) -> str:
 
 
 def analysed_events(record: TraceRecord, include_last_step: bool = False,
-                    step_name_count: int | None = None) -> tuple[str, list[Event]]:
+                    step_name_count: int | None = None) -> tuple[str, Events]:
     """The events one rank is measured on, after rounding and HTA's last-step filter.
 
     ``step_name_count`` is the number of distinct ``ProfilerStep`` names over the whole set of
@@ -189,20 +228,28 @@ def analysed_events(record: TraceRecord, include_last_step: bool = False,
     bounds, round_ts = _rounder(record)
     count = len(record.step_names) if step_name_count is None else step_name_count
     cutoff = _last_step_cutoff(record, include_last_step, bounds) if count >= 2 else None
-    build = _gpu_events if mode == "gpu" else _gloo_events
-    return mode, build(record, cutoff, include_last_step, bounds, round_ts)
+    if mode == "gpu":
+        return mode, _gpu_events(record, cutoff, include_last_step)
+    return mode, _gloo_events(record, cutoff, include_last_step, bounds, round_ts)
 
 
-def measure(events: list[Event]) -> dict[str, Any]:
+def _merged(events: Events, which: np.ndarray | None = None):
+    if which is None:
+        return merge(events.ts, events.end)
+    return merge(events.ts[which], events.end[which])
+
+
+def measure(events: Events) -> dict[str, Any]:
     """Overlap and temporal-breakdown metrics of one set of events."""
-    everything = merge_intervals(events)
-    compute = merge_intervals(e for e in events if e[2] == classify.COMPUTATION)
-    comm = merge_intervals(e for e in events if e[2] == classify.COMMUNICATION)
-    comm_us = total_length(comm)
-    compute_us = total_length(compute)
-    busy_us = total_length(everything)
-    span_us = span(everything)
-    overlap_us = overlap_length(comm, compute)
+    is_comm = events.kind == _COMMUNICATION
+    everything = _merged(events)
+    compute = _merged(events, events.kind == _COMPUTATION)
+    comm = _merged(events, is_comm)
+    comm_us = length(comm)
+    compute_us = length(compute)
+    busy_us = length(everything)
+    span_us = span_of(everything)
+    overlap_us = overlap(comm, compute)
     return {
         "overlap_pct": round(100.0 * overlap_us / comm_us, 4) if comm_us else 0.0,
         "comm_us": _number(comm_us),
@@ -215,25 +262,23 @@ def measure(events: list[Event]) -> dict[str, Any]:
         "busy_us": _number(busy_us),
         "comm_to_compute": (comm_us / compute_us) if compute_us else None,
         "n_events": len(events),
-        "comm_count": sum(1 for e in events if e[2] == classify.COMMUNICATION),
+        "comm_count": int(is_comm.sum()),
     }
 
 
-def by_collective(events: list[Event]) -> dict[str, dict[str, Any]]:
-    compute = merge_intervals(e for e in events if e[2] == classify.COMPUTATION)
-    groups: dict[str, list[Event]] = defaultdict(list)
-    for event in events:
-        if event[2] == classify.COMMUNICATION:
-            groups[event[3] or classify.UNKNOWN_COLLECTIVE].append(event)
+def by_collective(events: Events) -> dict[str, dict[str, Any]]:
+    compute = _merged(events, events.kind == _COMPUTATION)
+    comm = events.take(events.kind == _COMMUNICATION)
+    names = np.array([name or classify.UNKNOWN_COLLECTIVE for name in comm.collective.tolist()], dtype=object)
     result = {}
-    for collective in sorted(groups):
-        items = groups[collective]
-        merged = merge_intervals(items)
-        comm_us = total_length(merged)
-        overlap_us = overlap_length(merged, compute)
+    for collective in sorted(set(names.tolist())):
+        items = comm.take(names == collective)
+        merged = _merged(items)
+        comm_us = length(merged)
+        overlap_us = overlap(merged, compute)
         result[collective] = {
             "count": len(items),
-            "sum_dur_us": _number(sum(e[1] - e[0] for e in items)),
+            "sum_dur_us": _number(length((items.ts, items.end))),
             "comm_us": _number(comm_us),
             "overlap_us": _number(overlap_us),
             "exposed_comm_us": _number(comm_us - overlap_us),
@@ -241,29 +286,29 @@ def by_collective(events: list[Event]) -> dict[str, dict[str, Any]]:
     return result
 
 
-def by_step(record: TraceRecord, events: list[Event]) -> dict[str, dict[str, Any]]:
+def by_step(record: TraceRecord, events: Events) -> dict[str, dict[str, Any]]:
     """Metrics per ``ProfilerStep#N``, events assigned by launch time; ``unassigned`` for the rest."""
     bounds, _ = _rounder(record)
     steps = _step_ranges(record, bounds)
-    starts = [start for start, _, _ in steps]
-    groups: dict[str, list[Event]] = defaultdict(list)
-    for event in events:
-        key = UNASSIGNED_STEP
-        launch = event[4]
-        if launch is not None and steps:
-            index = bisect_right(starts, launch) - 1
-            if index >= 0 and launch < steps[index][1]:
-                key = steps[index][2]
-        groups[key].append(event)
-    ordered = sorted(groups, key=lambda k: (k == UNASSIGNED_STEP, int(k) if k.isdigit() else 0))
-    return {key: measure(groups[key]) for key in ordered}
+    keys = np.full(len(events), UNASSIGNED_STEP, dtype=object)
+    if steps:
+        starts = np.array([start for start, _, _ in steps])
+        ends = np.array([end for _, end, _ in steps])
+        names = np.array([name for _, _, name in steps], dtype=object)
+        # The last step starting at or before the launch, if the launch is inside it.
+        index = np.searchsorted(starts, events.launch, side="right") - 1
+        safe = np.maximum(index, 0)
+        inside = (index >= 0) & (events.launch < ends[safe])
+        keys[inside] = names[safe[inside]]
+    groups = sorted(set(keys.tolist()), key=lambda k: (k == UNASSIGNED_STEP, int(k) if k.isdigit() else 0))
+    return {key: measure(events.take(keys == key)) for key in groups}
 
 
 def analyze_record(record: TraceRecord, include_last_step: bool = False,
                    step_name_count: int | None = None) -> dict[str, Any]:
     """All metrics of one rank: totals, ``by_collective`` and ``steps``."""
     mode, events = analysed_events(record, include_last_step, step_name_count)
-    if not events:
+    if not len(events):
         raise ShardlightError(f"{record.path}: no events left to analyse after the last-step filter")
     result = {"file": record.path, "mode": mode}
     result.update(measure(events))

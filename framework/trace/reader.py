@@ -1,13 +1,10 @@
-"""Stream a PyTorch profiler (Kineto) chrome trace and keep only what the analysis needs.
+"""Read a PyTorch profiler (Kineto) chrome trace into a compact TraceRecord.
 
-The whole file is never held as Python objects: the top-level object is walked key by key and
-``traceEvents`` is decoded one event at a time with the C JSON scanner, so peak memory is one
-read chunk plus the compact event records below (a 1 GB trace does not become 10 GB of dicts).
-
-Rows are kept the way HTA 0.5.0 keeps them: events without ``dur`` or ``cat`` and ``cat == "Trace"``
-are dropped; ``args.stream`` that is missing or not an integer becomes -1, a missing
-``args.correlation`` becomes -1. Timestamps are kept raw; :mod:`framework.trace.metrics` applies
-HTA's float rounding once it knows whether the file has any float timestamp.
+:mod:`framework.trace.fastscan` reads GPU traces in one pass over the raw bytes. When it cannot
+be sure of a file (a CPU-only gloo trace, an unusual layout, bad input) the file is read here
+instead: the top-level object is walked key by key and ``traceEvents`` is decoded one event at
+a time with the C JSON scanner, so peak memory is one read chunk plus the compact records (a
+1 GB trace does not become 10 GB of dicts). This path also produces every error message.
 """
 
 from __future__ import annotations
@@ -17,101 +14,38 @@ import io
 import json
 import re
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from framework.errors import ShardlightError
+from framework.trace import fastscan
+from framework.trace.records import SYNC_EVENT_NAMES, Collector, CpuRow, GpuRow, TraceRecord, as_int
 
-# HTA classifies these as GPU rows for its last-step filter even though their stream is -1.
-SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
+__all__ = ["SYNC_EVENT_NAMES", "CpuRow", "GpuRow", "TraceRecord", "read_trace"]
 
+# Chunk size of both paths (decompressed bytes or chars); tests shrink it to hit chunk edges.
 _CHUNK_CHARS = 1 << 20
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
-# Fast pass: cut the event array at "}, {" and decode only pieces that can matter.
-_EVENT_SEPARATOR = re.compile(r"\}\s*,\s*\{")
-_GPU_KEYWORDS = ('"stream"', '"correlation"', "ProfilerStep", "gloo:")
-_FLOAT_TS = re.compile(r'"ts":\s*-?\d+\.')
-
-
-class _FastPathMiss(Exception):
-    """The fast pass met something it cannot skip safely; the file is re-read in full."""
-
-
-@dataclass
-class GpuRow:
-    """A row with ``args.stream != -1``: what HTA's GPU analyses look at."""
-
-    name: str
-    ts: float
-    dur: float
-    correlation: int
-    # HTA's filter treats a row as a GPU kernel only with stream >= 0 and correlation >= 0;
-    # anything else on a stream is filtered like a CPU row, by its own timestamp.
-    is_kernel: bool
-
-
-@dataclass
-class CpuRow:
-    """A CPU-side row the gloo analysis or the step logic needs."""
-
-    name: str
-    cat: str
-    ts: float
-    dur: float
-    tid: Any
-
-
-@dataclass
-class TraceRecord:
-    path: str
-    rank: int
-    rank_from_metadata: bool
-    # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
-    float_timestamps: bool = False
-    gpu_rows: list[GpuRow] = field(default_factory=list)
-    # correlation id -> earliest ts of a CPU-side row carrying it (the runtime launch call)
-    launch_ts: dict[int, float] = field(default_factory=dict)
-    # every non-GPU row whose name contains "ProfilerStep" (HTA's last-step filter input)
-    step_rows: list[CpuRow] = field(default_factory=list)
-    # names containing "ProfilerStep" on any kept row: HTA counts them to decide whether to filter
-    step_names: set[str] = field(default_factory=set)
-    gloo_rows: list[CpuRow] = field(default_factory=list)
-    aten_rows: list[CpuRow] = field(default_factory=list)
-    collective_rows: list[CpuRow] = field(default_factory=list)
-    event_count: int = 0
-
-
-def _as_int(value: Any, default: int = -1) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return default
 
 
 class _TextStream:
     """A growable text window over a file, for decoding one JSON value at a time."""
 
-    def __init__(self, handle: io.TextIOBase, path: str, watch_float_ts: bool = False):
+    def __init__(self, handle: io.TextIOBase, path: str):
         self._handle = handle
         self._path = path
         self.buf = ""
         self.pos = 0
         self.eof = False
-        self._watch_float_ts = watch_float_ts
-        self.saw_float_ts = False
 
-    def _fill(self, at_least: int = _CHUNK_CHARS) -> bool:
+    def _fill(self, at_least: int = 0) -> bool:
         if self.eof:
             return False
         data = self._handle.read(max(at_least, _CHUNK_CHARS))
         if not data:
             self.eof = True
             return False
-        if self._watch_float_ts and not self.saw_float_ts:
-            # Skipped events still decide HTA's rounding, which is per file.
-            self.saw_float_ts = _FLOAT_TS.search(self.buf[-40:] + data) is not None
         self.buf = self.buf[self.pos:] + data
         self.pos = 0
         return True
@@ -158,94 +92,39 @@ def _open_text(path: Path) -> io.TextIOBase:
     return io.TextIOWrapper(binary, encoding="utf-8")
 
 
-class _Collector:
-    """Turns decoded events into the compact rows of a TraceRecord."""
-
-    def __init__(self, record: TraceRecord):
-        self.record = record
-
-    def add(self, event: Any) -> None:
-        record = self.record
-        if not isinstance(event, dict):
-            return
-        record.event_count += 1
-        ts = event.get("ts")
-        if ts is None or isinstance(ts, float):
-            record.float_timestamps = True
-        dur = event.get("dur")
-        cat = event.get("cat")
-        if dur is None or cat is None or cat == "Trace" or ts is None:
-            return
-        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
-            return
-        name = event.get("name")
-        if not isinstance(name, str):
-            name = str(name)
-        args = event.get("args")
-        if isinstance(args, dict):
-            stream = _as_int(args.get("stream", -1))
-            correlation = _as_int(args.get("correlation", -1))
-        else:
-            stream = correlation = -1
-        is_kernel = (stream >= 0 and correlation >= 0) or name in SYNC_EVENT_NAMES
-        if "ProfilerStep" in name:
-            record.step_names.add(name)
-        if stream != -1:
-            record.gpu_rows.append(GpuRow(name, ts, dur, correlation, is_kernel))
-        if is_kernel:
-            return
-        if correlation >= 0:
-            known = record.launch_ts.get(correlation)
-            if known is None or ts < known:
-                record.launch_ts[correlation] = ts
-        if stream != -1:
-            return
-        if "ProfilerStep" in name:
-            record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith("aten::"):
-            record.aten_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith("gloo:"):
-            record.gloo_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith(("c10d::", "FSDP::")):
-            record.collective_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-
-
 def read_trace(path: str | Path) -> TraceRecord:
     """Parse one trace file (``.json`` or gzip, detected by content) into a TraceRecord.
 
-    A fast pass decodes only the events that can matter to a GPU analysis; when it cannot be
-    sure (a CPU-only gloo trace, an event split in the wrong place), the file is read again in
-    full. Raises ShardlightError with a one-line message naming the file for unreadable,
-    corrupt, truncated or non-trace input.
+    The fast scanner handles GPU traces; a file it is not sure of, or one without GPU rows,
+    is read again in full. Raises ShardlightError with a one-line message naming the file for
+    unreadable, corrupt, truncated or non-trace input.
     """
     try:
-        record = _read_trace(Path(path), fast=True)
-        if record.gpu_rows:
+        record = fastscan.scan_trace(Path(path), _CHUNK_CHARS)
+        if record.gpu_ts:
             return record
-    except _FastPathMiss:
+    except fastscan.FastPathMiss:
         pass
-    return _read_trace(Path(path), fast=False)
+    return _read_trace(Path(path))
 
 
-def _read_trace(path: Path, fast: bool) -> TraceRecord:
+def _read_trace(path: Path) -> TraceRecord:
     record = TraceRecord(path=str(path), rank=0, rank_from_metadata=False)
-    collector = _Collector(record)
+    collector = Collector(record)
     saw_events = False
     try:
         with _open_text(path) as handle:
-            stream = _TextStream(handle, str(path), watch_float_ts=fast)
+            stream = _TextStream(handle, str(path))
             opener = stream.expect("{[")
             if opener == "[":
                 # The bare-array Chrome trace form: no metadata, events only.
                 saw_events = True
-                _read_event_array(stream, collector, already_open=True, fast=fast)
+                _read_event_array(stream, collector, already_open=True)
             else:
-                saw_events = _read_top_object(stream, collector, record, fast)
+                saw_events = _read_top_object(stream, collector, record)
             if stream.peek():
                 raise ShardlightError(f"{path}: not a JSON trace (extra data after the top-level value)")
-            if stream.saw_float_ts:
-                record.float_timestamps = True
-    except (ShardlightError, _FastPathMiss):
+    except ShardlightError:
         raise
     except FileNotFoundError:
         raise ShardlightError(f"{path}: no such file") from None
@@ -266,7 +145,7 @@ def _read_trace(path: Path, fast: bool) -> TraceRecord:
     return record
 
 
-def _read_top_object(stream: _TextStream, collector: _Collector, record: TraceRecord, fast: bool) -> bool:
+def _read_top_object(stream: _TextStream, collector: Collector, record: TraceRecord) -> bool:
     saw_events = False
     if stream.peek() == "}":
         stream.pos += 1
@@ -280,11 +159,11 @@ def _read_top_object(stream: _TextStream, collector: _Collector, record: TraceRe
             if stream.peek() != "[":
                 raise ShardlightError(f"{record.path}: not a profiler trace (traceEvents is not a list)")
             saw_events = True
-            _read_event_array(stream, collector, fast=fast)
+            _read_event_array(stream, collector)
         else:
             value = stream.value()
             if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
-                rank = _as_int(value.get("rank"), default=-1)
+                rank = as_int(value.get("rank"), default=-1)
                 if rank < 0:
                     raise ShardlightError(f"{record.path}: distributedInfo.rank is not a rank: {value.get('rank')!r}")
                 record.rank = rank
@@ -293,70 +172,14 @@ def _read_top_object(stream: _TextStream, collector: _Collector, record: TraceRe
             return saw_events
 
 
-def _read_event_array(stream: _TextStream, collector: _Collector, already_open: bool = False,
-                      fast: bool = False) -> None:
+def _read_event_array(stream: _TextStream, collector: Collector, already_open: bool = False) -> None:
     if not already_open:
         stream.expect("[")
     if stream.peek() == "]":
         stream.pos += 1
         return
     add = collector.add
-    if fast:
-        _read_events_fast(stream, collector)
     while True:
         add(stream.value())
         if stream.expect(",]") == "]":
             return
-
-
-_TS_RE = re.compile(r'"ts":\s*(-?[0-9][0-9.eE+-]*)')
-_CORRELATION_RE = re.compile(r'"correlation":\s*(-?[0-9]+)[,}\s]')
-
-
-def _read_events_fast(stream: _TextStream, collector: _Collector) -> None:
-    """Consume all but the last event, window by window, decoding only pieces that can matter.
-
-    The window is cut at "}, {"; CPU ops, flows and instants carry none of the keywords and are
-    never decoded, and launch calls only give (correlation, ts), read with two small regexes.
-    A separator inside a string would cut an event wrongly: the piece then fails to decode and
-    the whole file is re-read without this pass (_FastPathMiss).
-    """
-    record = collector.record
-    launch_ts = record.launch_ts
-    add = collector.add
-    while True:
-        stream.peek()
-        if not stream.buf.startswith("{", stream.pos):
-            raise _FastPathMiss()
-        pieces = _EVENT_SEPARATOR.split(stream.buf[stream.pos + 1:])
-        if len(pieces) == 1:
-            if stream.eof or not stream._fill(len(stream.buf)):
-                return
-            continue
-        for piece in pieces[:-1]:
-            if '"correlation"' in piece:
-                if '"stream"' not in piece and "Sync" not in piece and "ProfilerStep" not in piece \
-                        and "gloo:" not in piece and '"dur"' in piece and '"cat"' in piece:
-                    ts_match = _TS_RE.search(piece)
-                    corr_match = _CORRELATION_RE.search(piece)
-                    if ts_match and corr_match:
-                        text = ts_match.group(1)
-                        is_float = "." in text or "e" in text or "E" in text
-                        ts = float(text) if is_float else int(text)
-                        if is_float:
-                            record.float_timestamps = True
-                        correlation = int(corr_match.group(1))
-                        if correlation >= 0:
-                            known = launch_ts.get(correlation)
-                            if known is None or ts < known:
-                                launch_ts[correlation] = ts
-                        continue
-            elif '"stream"' not in piece and "ProfilerStep" not in piece and "gloo:" not in piece:
-                continue
-            try:
-                event = json.loads("{" + piece + "}")
-            except json.JSONDecodeError:
-                raise _FastPathMiss() from None
-            add(event)
-        stream.buf = "{" + pieces[-1]
-        stream.pos = 0

@@ -1,0 +1,77 @@
+"""Preemption-safe stopping: on SIGUSR1 (Slurm, 90 s before the time limit) or SIGTERM, checkpoint at the
+next step boundary on all ranks, requeue the Slurm job from rank 0, and exit cleanly.
+
+The signal handler only sets a flag. Saving inside the handler (as Lightning's own SLURM requeue does)
+runs collectives from whatever frame the signal interrupted and hangs intermittently (Lightning #21406).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class PreemptionCallback(pl.Callback):
+    """Set ``trainer.shardlight_preempted`` after saving; train.py then skips final validation/export."""
+
+    def __init__(self) -> None:
+        self.signal_received: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = signum
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _any_rank_signalled(self, trainer: pl.Trainer) -> bool:
+        # Ranks get the signal at slightly different times; all must stop at the same step boundary.
+        flag = torch.tensor([1.0 if self.signal_received is not None else 0.0], device=trainer.strategy.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # not a step boundary: gradients are half accumulated
+        if not self._any_rank_signalled(trainer):
+            return
+        from framework.checkpoint import find_callback
+
+        checkpoint = find_callback(trainer)
+        path = checkpoint.save(trainer, pl_module) if checkpoint is not None else None
+        rank_zero_info(f"preempted at step {trainer.global_step}: checkpoint {path}")
+        if trainer.is_global_zero:
+            requeue()
+        trainer.shardlight_preempted = True
+        trainer.should_stop = True
+
+
+def requeue() -> None:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        rank_zero_warn("preempted outside Slurm: checkpoint saved, nothing to requeue")
+        return
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode != 0:
+        rank_zero_warn(f"scontrol requeue {job} failed: {result.stderr.strip()}")
+    else:
+        rank_zero_info(f"requeued Slurm job {job}")

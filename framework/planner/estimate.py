@@ -1,0 +1,357 @@
+"""Per-rank memory and per-step time of each sharding strategy, from a ModelSpec, a cluster and a workload.
+
+Memory (bytes per rank), following what FSDP1 (``use_orig_params``, the shardlight default) allocates:
+
+* parameters, gradients, optimizer state: each FSDP unit (one per transformer block, plus the root with
+  embeddings/norm/head) is one flat parameter, each original parameter's start aligned to 16 bytes of the
+  compute dtype, padded to a multiple of the process-group size and split into equal shards. The shard is
+  in the storage dtype (``model.dtype``; the fp32 shard *is* the master copy under mixed precision, FSDP
+  keeps no other), gradients are sharded in the same dtype, AdamW keeps 2 moments in it. NO_SHARD keeps all
+  of it on every rank; HYBRID_SHARD shards over its shard group only. CPU offload moves all three to host;
+* unsharded buffers (compute dtype): FULL_SHARD/HYBRID gather the root unit for the whole step plus one block
+  and ``prefetch`` more; SHARD_GRAD_OP keeps every unit gathered from forward until its backward; plus
+  one unit's unsharded gradient before its reduce-scatter;
+* activations per micro-batch: per layer and token the tensors a Llama-style block saves for backward
+  (norm inputs/outputs, q/k/v, attention output, 4 MLP intermediates; eager attention adds the S×S scores
+  and probabilities per head), the fp32 log-softmax of the logits (shardlight's loss upcasts them), and the
+  transient at the start of backward (gradients of the log-softmax output and of its fp32 input).
+  With activation checkpointing: each block's input only; the transient is the larger of the logits
+  gradients and one block recomputed with its gradients. Gradients are freed after each optimizer step,
+  so the peak is parameters + optimizer state + buffers + max(activations, gradients + one layer's).
+
+Communication per optimizer step (ring algorithms, bytes each rank sends): FULL_SHARD all-gathers the
+parameters in forward and again in backward on every micro-batch and reduce-scatters the gradients once;
+SHARD_GRAD_OP all-gathers once per micro-batch; NO_SHARD all-reduces the gradients; HYBRID_SHARD does
+FULL_SHARD's collectives inside its shard group and all-reduces its gradient shard across replicas.
+Time = bytes ÷ the slowest link the collective crosses (``inter_node_bw`` is per node, shared by its GPUs).
+Compute time = model FLOPs ÷ (peak × MFU), ×4/3 with activation checkpointing (forward recomputed).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+from framework.errors import ShardlightError
+from framework.planner.model_spec import ModelSpec
+
+GB = 1e9
+STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+
+# Effective (bus) bandwidth in GB/s. Intra-node: per GPU. Inter-node: per node, shared by its GPUs.
+INTRA_NODE_BW = {"nvswitch": 300.0, "nvlink": 150.0, "pcie": 20.0}
+INTER_NODE_BW = {"infiniband": 320.0, "ethernet": 10.0}  # 8x400 Gb/s HDR/NDR at 80%; 100 GbE at 80%
+DEFAULT_INTRA, DEFAULT_INTER = "nvswitch", "infiniband"
+PCIE_HOST_BW = 20.0      # GB/s host<->device per GPU (CPU offload)
+HOST_OPTIM_BW = 10.0     # GB/s of optimizer-state traffic a host core set sustains per rank (offloaded AdamW)
+COLLECTIVE_LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+OPTIMIZER_STATES = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "adamw8bit": 0.5}  # × storage bytes per element
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+
+
+def parse_memory(text: Any, what: str = "GPU memory") -> float:
+    """'80GB', '80 GiB', '141G', '40000MB', 80 → bytes. Bare numbers are GB (10^9)."""
+    units = {"": GB, "b": 1, "kb": 1e3, "mb": 1e6, "gb": GB, "g": GB, "tb": 1e12, "t": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in units:
+        raise ShardlightError(f"{what} '{text}' does not parse; use e.g. 80GB, 141GB, 24GiB")
+    value = float(match.group(1)) * units[match.group(2).lower()]
+    if value <= 0:
+        raise ShardlightError(f"{what} must be positive, got '{text}'")
+    return value
+
+
+@dataclass
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_bytes: float = 80 * GB
+    intra_node: str = DEFAULT_INTRA
+    inter_node: str = DEFAULT_INTER
+    intra_node_bw: float = INTRA_NODE_BW[DEFAULT_INTRA]   # GB/s per GPU
+    inter_node_bw: float = INTER_NODE_BW[DEFAULT_INTER]   # GB/s per node
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    usable_fraction: float = 0.9        # of GPU memory, the rest for the allocator's fragmentation
+    overhead_bytes: float = 1.0 * GB    # CUDA context, NCCL buffers, kernels
+    host_memory_bytes: float = 1e12     # host RAM per node, for CPU offload
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_bytes * self.usable_fraction - self.overhead_bytes
+
+    def to_json(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data.update(world_size=self.world_size, gpu_memory_gb=self.gpu_memory_bytes / GB,
+                    usable_gb=self.usable_bytes / GB)
+        return data
+
+
+def make_cluster(nodes: int = 1, gpus_per_node: int = 8, gpu_memory: Any = "80GB",
+                 interconnect: Optional[List[str]] = None, intra_node_bw: Optional[float] = None,
+                 inter_node_bw: Optional[float] = None, peak_tflops: float = 989.0, mfu: float = 0.4,
+                 overhead_gb: float = 1.0, host_memory: Any = "1TB") -> Cluster:
+    """A validated Cluster; interconnect names set the link they describe (nvlink|nvswitch|pcie inside a
+    node, infiniband|ethernet between nodes); explicit bandwidths win."""
+    for name, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if not isinstance(value, int) or value <= 0:
+            raise ShardlightError(f"{name} must be a positive integer, got {value}")
+    for name, value in (("--peak-tflops", peak_tflops), ("--intra-node-bw", intra_node_bw),
+                        ("--inter-node-bw", inter_node_bw)):
+        if value is not None and not value > 0:
+            raise ShardlightError(f"{name} must be positive, got {value}")
+    if not 0 < mfu <= 1:
+        raise ShardlightError(f"--mfu must be in (0, 1], got {mfu}")
+    if overhead_gb < 0:
+        raise ShardlightError(f"--overhead-gb must not be negative, got {overhead_gb}")
+    cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=parse_memory(gpu_memory),
+                      peak_tflops=float(peak_tflops), mfu=float(mfu), overhead_bytes=overhead_gb * GB,
+                      host_memory_bytes=parse_memory(host_memory, "host memory"))
+    for item in interconnect or []:
+        for name in filter(None, (n.strip().lower() for n in str(item).split(","))):
+            if name in INTRA_NODE_BW:
+                cluster.intra_node, cluster.intra_node_bw = name, INTRA_NODE_BW[name]
+            elif name in INTER_NODE_BW:
+                cluster.inter_node, cluster.inter_node_bw = name, INTER_NODE_BW[name]
+            else:
+                known = ", ".join([*INTRA_NODE_BW, *INTER_NODE_BW])
+                raise ShardlightError(f"unknown interconnect '{name}'; known: {known}")
+    if intra_node_bw is not None:
+        cluster.intra_node, cluster.intra_node_bw = "custom", float(intra_node_bw)
+    if inter_node_bw is not None:
+        cluster.inter_node, cluster.inter_node_bw = "custom", float(inter_node_bw)
+    if cluster.usable_bytes <= 0:
+        raise ShardlightError(f"GPU memory {gpu_memory} leaves nothing after {overhead_gb} GB of runtime overhead")
+    return cluster
+
+
+@dataclass
+class Workload:
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    accumulate_grad_batches: int = 1
+    precision: str = "bf16-mixed"
+    param_dtype: str = "float32"      # storage dtype of the weights (recipe model.dtype)
+    optimizer: str = "adamw"
+    prefetch: int = 1                  # all-gathers in flight ahead of the running unit (BACKWARD_PRE)
+    attn_implementation: str = "sdpa"
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ShardlightError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.precision not in PRECISIONS:
+            raise ShardlightError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
+        if self.param_dtype not in DTYPE_BYTES:
+            raise ShardlightError(f"parameter dtype '{self.param_dtype}' is not one of float32, bfloat16, float16")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ShardlightError(f"optimizer '{self.optimizer}' is not one of {', '.join(OPTIMIZER_STATES)}")
+        if self.prefetch < 0:
+            raise ShardlightError("prefetch must not be negative")
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision.startswith("32") else 2
+
+    @property
+    def storage_bytes(self) -> int:
+        return 2 if self.precision.endswith("-true") and self.compute_bytes == 2 else DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+
+def shard_numels(spec: ModelSpec, group_size: int, compute_bytes: int, sharded: bool) -> int:
+    """Elements of this rank's flat-parameter shards, summed over units, with FSDP1's padding."""
+    align = 16 // compute_bytes
+    total = 0
+    for numels in spec.unit_numels:
+        flat = 0
+        for n in numels:
+            if flat % align:
+                flat += align - flat % align
+            flat += n
+        if flat % group_size:
+            flat += group_size - flat % group_size
+        total += flat // group_size if sharded else flat
+    return total
+
+
+def activation_bytes(spec: ModelSpec, work: Workload, checkpointing: bool) -> Dict[str, float]:
+    """Saved activations of one micro-batch, the working set of one block, and the logits."""
+    c, tokens = work.compute_bytes, work.tokens_per_micro_batch
+    h, i, kv = spec.hidden_size, spec.intermediate_size, spec.num_kv_heads * spec.head_dim
+    q = spec.num_heads * spec.head_dim
+    mlp = 4 * i if spec.gated_mlp else 2 * i                        # gate, up, act(gate), product | fc1, act
+    per_token = c * (2 * h + q + 2 * kv + 2 * q + 2 * h + mlp)     # norms, q/k/v, attn out, MLP
+    if c < 4:
+        per_token += 2 * 4 * h                                       # RMSNorm's fp32 upcast, twice per block
+    if work.attn_implementation == "eager":
+        per_token += 2 * c * spec.num_heads * work.seq_len           # scores + softmax probabilities
+    block = per_token * tokens
+    embeddings = 2 * h * c * tokens                                  # embedding output, final norm input
+    logits = tokens * spec.vocab_size * 4                            # fp32 log-softmax output, kept for backward
+    # Start of backward: the gradient of the log-softmax output and of its input (fp32), both alive at once.
+    logits_grad = tokens * spec.vocab_size * 8
+    if checkpointing:
+        saved = spec.num_layers * h * c * tokens                     # each block's input only
+        transient = max(logits_grad, 2 * block)                      # or one block recomputed + its grads
+    else:
+        saved = spec.num_layers * block
+        transient = logits_grad
+    return {"per_layer": block, "saved": saved + embeddings, "logits": logits, "logits_grad": transient,
+            "total": saved + embeddings + logits + transient}
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, checkpointing: bool = False,
+             cpu_offload: bool = False, shard_group_size: Optional[int] = None) -> Dict[str, Any]:
+    """Per-rank memory and per-step time of one configuration (see the module docstring)."""
+    world, c, s = cluster.world_size, work.compute_bytes, work.storage_bytes
+    if strategy == "NO_SHARD":
+        group, sharded = world, False
+    elif strategy == "HYBRID_SHARD":
+        group, sharded = shard_group_size or cluster.gpus_per_node, True
+    else:
+        group, sharded = world, True
+    replicas = max(1, world // group)
+    n_local = shard_numels(spec, group, c, sharded and group > 1)
+    params, grads = n_local * s, n_local * s
+    optim = n_local * s * OPTIMIZER_STATES[work.optimizer]
+    block, root, total_p = spec.block_params, spec.root_params, spec.total_params
+    in_flight = 1 + work.prefetch
+    if not sharded or group == 1:
+        gathered = 0 if c >= s else min(total_p, max(block, root) * in_flight) * c
+        grad_buffer = 0
+    elif strategy == "SHARD_GRAD_OP":
+        gathered, grad_buffer = total_p * c, max(block, root) * c
+    else:
+        gathered, grad_buffer = (root + block * in_flight) * c, max(block, root) * c
+    acts = activation_bytes(spec, work, checkpointing)
+    state = 0.0 if cpu_offload else params + grads + optim
+    # Gradients are freed after each optimizer step (set_to_none) and appear as backward frees activations:
+    # the peak is at the start of backward (all activations, no gradients yet) or at its end (all gradients).
+    resident = 0.0 if cpu_offload else params + optim
+    grads_gpu = 0.0 if cpu_offload else grads
+    peak = resident + gathered + grad_buffer + max(acts["total"], grads_gpu + acts["per_layer"])
+    host = params + grads + optim if cpu_offload else 0.0
+
+    # Communication per optimizer step.
+    A, P = work.accumulate_grad_batches, total_p
+    nodes_spanned = math.ceil(group / cluster.gpus_per_node)
+    intra_bw = cluster.intra_node_bw * GB
+    inter_bw = cluster.inter_node_bw / cluster.gpus_per_node * GB
+    group_bw = intra_bw if nodes_spanned <= 1 else min(intra_bw, inter_bw)
+    units = len(spec.unit_numels)
+    ring = (group - 1) / group if group > 1 else 0.0
+    ag = ring * P * c
+    fwd_bytes = bwd_bytes = inter_bytes = 0.0
+    collectives = 0
+    if strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+        fwd_bytes, bwd_bytes = A * ag, A * ag + ring * P * c
+        collectives = units * (2 * A + 1)
+    elif strategy == "SHARD_GRAD_OP":
+        fwd_bytes, bwd_bytes = A * ag, ring * P * c
+        collectives = units * (A + 1)
+    if strategy == "NO_SHARD":
+        r = (world - 1) / world if world > 1 else 0.0
+        ar_bytes = 2 * r * P * c
+        ar_bw = intra_bw if cluster.nodes == 1 else min(intra_bw, inter_bw)
+        bwd_bytes, collectives = ar_bytes, units if world > 1 else 0
+        intra_time = ar_bytes / ar_bw
+        inter_time = 0.0
+    else:
+        if strategy == "HYBRID_SHARD" and replicas > 1:
+            inter_bytes = 2 * (replicas - 1) / replicas * n_local * c
+            collectives += units
+        intra_time = (fwd_bytes + bwd_bytes) / group_bw
+        inter_time = inter_bytes / inter_bw
+    if world == 1:
+        collectives = 0
+    latency = collectives * (COLLECTIVE_LATENCY_S["inter"] if cluster.nodes > 1 else COLLECTIVE_LATENCY_S["intra"])
+    comm_fwd = fwd_bytes / group_bw if strategy != "NO_SHARD" else 0.0
+    comm_time = intra_time + inter_time + latency
+    comm_bwd = comm_time - comm_fwd
+
+    tokens = work.tokens_per_micro_batch * A
+    flops = spec.flops_per_token(work.seq_len) * tokens
+    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu) * (4 / 3 if checkpointing else 1)
+    compute_fwd = compute * (0.25 if checkpointing else 1 / 3)
+    compute_bwd = compute - compute_fwd
+    first_unit = (block * c * ring / group_bw) if sharded and group > 1 else 0.0
+    exposed = max(0.0, comm_fwd - compute_fwd) + max(0.0, comm_bwd - compute_bwd) + first_unit
+    offload_time = 0.0
+    if cpu_offload:
+        gathers = A * (2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1)
+        offload_time = (gathers * params + grads) / (PCIE_HOST_BW * GB) + 2 * (params + grads + optim) / (
+            HOST_OPTIM_BW * GB)
+    step = compute + exposed + offload_time
+    host_fits = host * cluster.gpus_per_node <= cluster.host_memory_bytes * 0.8
+    fits = peak <= cluster.usable_bytes and host_fits
+    return {
+        "sharding_strategy": strategy,
+        "activation_checkpointing": checkpointing,
+        "cpu_offload": cpu_offload,
+        "shard_group_size": group if sharded else 1,
+        "replicas": replicas if sharded else world,
+        "mesh_shape": [replicas, group] if strategy == "HYBRID_SHARD" else None,
+        "params_bytes": params,
+        "grads_bytes": grads,
+        "optim_bytes": optim,
+        "gpu_state_bytes": state,
+        "host_state_bytes": host,
+        "gather_buffer_bytes": gathered,
+        "grad_buffer_bytes": grad_buffer,
+        "activation_bytes": acts["saved"],
+        "logits_bytes": acts["logits"] + acts["logits_grad"],
+        "activation_per_layer_bytes": acts["per_layer"],
+        "peak_bytes": peak,
+        "total_with_overhead_bytes": peak + cluster.overhead_bytes,
+        "usable_bytes": cluster.usable_bytes,
+        "headroom_bytes": cluster.usable_bytes - peak,
+        "fits": fits,
+        "host_fits": host_fits,
+        "comm_bytes_intra": fwd_bytes + bwd_bytes if strategy != "NO_SHARD" else bwd_bytes,
+        "comm_bytes_inter": inter_bytes,
+        "comm_time_s": comm_time,
+        "compute_time_s": compute,
+        "exposed_comm_s": exposed,
+        "offload_time_s": offload_time,
+        "step_time_s": step,
+        "bound": "comm-bound" if comm_time > compute else "compute-bound",
+        "tokens_per_step_per_rank": tokens,
+        "tokens_per_sec_per_device": tokens / step if step > 0 else None,
+        "flops_per_token": spec.flops_per_token(work.seq_len),
+    }
+
+
+def hybrid_group_sizes(cluster: Cluster) -> List[int]:
+    """Shard-group sizes HYBRID_SHARD can use: whole nodes, fewer than all of them, dividing the world."""
+    if cluster.nodes < 2:
+        return []
+    return [k * cluster.gpus_per_node for k in range(1, cluster.nodes) if cluster.nodes % k == 0]
+
+
+def estimate_all(spec: ModelSpec, cluster: Cluster, work: Workload) -> List[Dict[str, Any]]:
+    """Every applicable strategy × activation checkpointing × CPU offload."""
+    work.validate()
+    rows = []
+    configs = [(s, None) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")]
+    configs += [("HYBRID_SHARD", g) for g in hybrid_group_sizes(cluster)]
+    for strategy, group in configs:
+        for ckpt in (False, True):
+            for offload in (False, True):
+                if offload and strategy == "NO_SHARD":
+                    continue  # FSDP offloads shards; NO_SHARD has none (use DeepSpeed-style offload elsewhere)
+                rows.append(estimate(spec, cluster, work, strategy, ckpt, offload, group))
+    return rows

@@ -1,0 +1,169 @@
+"""The model side of a plan: a Hugging Face config built on the meta device (no weights, no download),
+its parameter count, transformer block class and the FSDP units shardlight would wrap."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from framework.errors import ShardlightError
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    model_type: str
+    total_params: int
+    block_class: str
+    num_blocks: int
+    block_params: int            # parameters of one transformer block (the largest)
+    root_params: int             # parameters outside the blocks (embeddings, final norm, lm head): the root unit
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: Optional[int]
+    tied_embeddings: bool
+    gated_mlp: bool = True        # SwiGLU-style (gate + up projections) vs a plain 2-layer MLP
+    # Per FSDP unit (blocks then root), the numels of its parameters in flattening order.
+    unit_numels: List[List[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def largest_unit_params(self) -> int:
+        return max(self.block_params, self.root_params)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (forward + backward): 6 N (N without the input embedding) plus
+        causal attention 6·L·d·S (QK^T and AV, halved for the causal mask, ×3 for backward)."""
+        n = self.total_params - (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+        return 6.0 * n + 6.0 * self.num_layers * self.heads_dim_total * seq_len
+
+    @property
+    def heads_dim_total(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def to_json(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data.pop("unit_numels")
+        data["largest_unit_params"] = self.largest_unit_params
+        data["num_units"] = len(self.unit_numels)
+        return data
+
+
+def _is_causal_lm(config: Any) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return False
+    archs = getattr(config, "architectures", None) or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return not archs or any(a in causal or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
+def load_hf_config_file(path: str) -> Any:
+    """A standard Hugging Face ``config.json`` → PretrainedConfig; bad files are one clear line."""
+    from transformers import AutoConfig
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except OSError as exc:
+        raise ShardlightError(f"--hf-config {path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ShardlightError(f"--hf-config {path}: not JSON ({exc})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ShardlightError(f"--hf-config {path}: not a Hugging Face model config (no model_type)")
+    spec = dict(raw)
+    model_type = spec.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **spec)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShardlightError(f"--hf-config {path}: {str(exc).splitlines()[0]}") from None
+    if not _is_causal_lm(config):
+        archs = ", ".join(getattr(config, "architectures", None) or []) or model_type
+        raise ShardlightError(f"--hf-config {path}: {archs} is not a causal language model")
+    return config
+
+
+def _check_positive(config: Any, name: str) -> None:
+    value = getattr(config, name, None)
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ShardlightError(f"model config: {name} must be a positive integer, got {value}")
+
+
+def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[List[str]] = None,
+               trust_remote_code: bool = False) -> ModelSpec:
+    """Build ``config`` on the meta device and count what FSDP would wrap (transformer-block units + root)."""
+    from transformers import AutoModelForCausalLM
+
+    if not _is_causal_lm(config):
+        raise ShardlightError(f"{getattr(config, 'model_type', '?')} is not a causal language model")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                "num_key_value_heads"):
+        _check_positive(config, key)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
+        raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
+    from framework.strategy.wrapping import find_block_classes
+
+    classes = tuple(find_block_classes(model, block_classes))
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    seen: set = set()
+    unit_numels: List[List[int]] = []
+    block_ids = set()
+    for block in blocks:
+        numels = []
+        for p in block.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                numels.append(p.numel())
+            block_ids.add(id(p))
+        unit_numels.append(numels)
+    root = [p.numel() for p in _unique(model.parameters()) if id(p) not in block_ids]
+    unit_numels.append(root)
+    total = sum(sum(u) for u in unit_numels)
+    inter = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size)
+    wide = [m for m in (blocks[0].modules() if blocks else []) if getattr(m, "out_features", None) == inter
+            or getattr(m, "nf", None) == inter]
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    return ModelSpec(
+        name=name or getattr(config, "_name_or_path", "") or config.model_type,
+        model_type=config.model_type,
+        total_params=total,
+        block_class=type(blocks[0]).__name__ if blocks else "",
+        num_blocks=len(blocks),
+        block_params=max((sum(u) for u in unit_numels[:-1]), default=0),
+        root_params=sum(root),
+        hidden_size=hidden,
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=int(config.vocab_size),
+        max_positions=getattr(config, "max_position_embeddings", None),
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        gated_mlp=len(wide) >= 2,
+        unit_numels=unit_numels,
+    )
+
+
+def _unique(params):
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p

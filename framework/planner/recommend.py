@@ -1,0 +1,189 @@
+"""The decision: the seed's table (DDP if model + optimizer fit, SHARD_GRAD_OP if only the model fits,
+FULL_SHARD if the model does not fit, HYBRID_SHARD across nodes) made physical. Among the configurations
+whose estimated peak fits in usable GPU memory, the fastest estimated step wins; near-ties (within
+``TIE``) go to the simpler strategy, then to no checkpointing, then to no offload. Reasons are plain words."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from framework.planner.estimate import GB, Cluster
+
+TIE = 0.03
+SIMPLICITY = {"NO_SHARD": 0, "SHARD_GRAD_OP": 1, "HYBRID_SHARD": 2, "FULL_SHARD": 3}
+
+
+def gb(value: float) -> str:
+    if abs(value) >= 0.1 * GB:
+        return f"{value / GB:.1f} GB"
+    return f"{value / 1e6:.2f} MB"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.3f} ms"
+
+
+def params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _find(rows: List[Dict[str, Any]], strategy: str, ckpt: bool = False, offload: bool = False,
+          group: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    for row in rows:
+        if (row["sharding_strategy"] == strategy and row["activation_checkpointing"] == ckpt
+                and row["cpu_offload"] == offload and (group is None or row["shard_group_size"] == group)):
+            return row
+    return None
+
+
+def label(row: Dict[str, Any]) -> str:
+    name = row["sharding_strategy"]
+    if name == "HYBRID_SHARD":
+        name += f"[{row['replicas']}x{row['shard_group_size']}]"
+    extras = [x for x, on in (("ckpt", row["activation_checkpointing"]), ("offload", row["cpu_offload"])) if on]
+    return name + (f" +{'+'.join(extras)}" if extras else "")
+
+
+def _rank_key(row: Dict[str, Any]):
+    return (SIMPLICITY[row["sharding_strategy"]], row["activation_checkpointing"], row["cpu_offload"])
+
+
+def choose(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        return None
+    fastest = min(r["step_time_s"] for r in fitting)
+    near = [r for r in fitting if r["step_time_s"] <= fastest * (1 + TIE)]
+    return min(near, key=_rank_key)
+
+
+def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any],
+              context: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """``{"sharding_strategy", "activation_checkpointing", "cpu_offload", "mesh_shape", "fits", "reasons"}``,
+    chosen among ``rows``; ``context`` (default ``rows``): every estimate, for the reasons' comparisons."""
+    every = context or rows
+    usable = cluster.usable_bytes
+    reasons: List[str] = []
+    best = choose(rows)
+    ddp = _find(every, "NO_SHARD") or next((r for r in every if r["sharding_strategy"] == "NO_SHARD"), None)
+    if ddp is not None:
+        state_ddp = ddp["params_bytes"] + ddp["grads_bytes"] + ddp["optim_bytes"]
+        reasons.append(
+            f"{params(model['total_params'])} parameters: replicated weights take {gb(ddp['params_bytes'])} per GPU, "
+            f"weights + gradients + optimizer state {gb(state_ddp)}; usable memory is {gb(usable)} per GPU "
+            f"({gb(cluster.gpu_memory_bytes)} x {cluster.usable_fraction:.0%} minus {gb(cluster.overhead_bytes)} "
+            f"runtime).")
+    if best is None:
+        smallest = min(rows, key=lambda r: (not r["host_fits"], r["peak_bytes"]))
+        reasons.append(
+            f"Nothing fits: the smallest estimate is {label(smallest)} at {gb(smallest['peak_bytes'])} per GPU "
+            f"(activations {gb(smallest['activation_bytes'] + smallest['logits_bytes'])}). Lower the micro-batch "
+            f"size or seq_len, or add GPUs."
+        )
+        return _result(smallest, False, reasons)
+
+    name = best["sharding_strategy"]
+    if name == "NO_SHARD":
+        reasons.append("Model + gradients + optimizer state fit on one GPU with the activations: plain data "
+                       "parallelism (NO_SHARD, i.e. DDP) — one gradient all-reduce per step, no parameter gathers.")
+    elif name == "SHARD_GRAD_OP":
+        why = ("replicated optimizer state does not fit" if ddp is None or not ddp["fits"]
+               else "it is as fast as DDP within the estimate's tolerance")
+        reasons.append(f"SHARD_GRAD_OP (ZeRO-2): {why}; the weights do fit, so parameters are gathered once per "
+                       f"micro-batch and kept through backward ({gb(best['gather_buffer_bytes'])} unsharded).")
+    elif name == "FULL_SHARD":
+        sgo = _find(every, "SHARD_GRAD_OP", best["activation_checkpointing"], best["cpu_offload"])
+        if sgo is not None and not sgo["fits"]:
+            reasons.append(f"FULL_SHARD: the model does not fit unsharded alongside its shards "
+                           f"(SHARD_GRAD_OP would need {gb(sgo['peak_bytes'])} per GPU); FULL_SHARD gathers one "
+                           f"block at a time and frees it after use.")
+        else:
+            reasons.append("FULL_SHARD: fastest configuration that fits by the estimate.")
+    else:
+        reasons.append(
+            f"HYBRID_SHARD with mesh {best['replicas']} replicas x {best['shard_group_size']} GPUs: parameter "
+            f"all-gathers stay inside the shard group; only the gradient shard is all-reduced across replicas "
+            f"({gb(best['comm_bytes_inter'])} per GPU per step between nodes).")
+    if cluster.nodes > 1:
+        one_node = [r for r in every if r["sharding_strategy"] == "HYBRID_SHARD"
+                    and r["shard_group_size"] == cluster.gpus_per_node]
+        on_gpu = [r for r in one_node if not r["cpu_offload"]]
+        if on_gpu and not any(r["fits"] for r in on_gpu):
+            least = min(on_gpu, key=lambda r: r["peak_bytes"])
+            offloaded = [r for r in one_node if r["cpu_offload"] and r["fits"]]
+            reasons.append(
+                f"HYBRID_SHARD with a one-node shard group ({cluster.gpus_per_node} GPUs, "
+                f"{gb(cluster.gpus_per_node * cluster.gpu_memory_bytes)} aggregate) cannot hold this model on its "
+                f"GPUs: each GPU would need {gb(least['peak_bytes'])} even with activation checkpointing "
+                f"({gb(least['gpu_state_bytes'])} of sharded state) > {gb(usable)} usable. "
+                + ("Only with CPU offload does it fit. " if offloaded else
+                   "With CPU offload the node's host RAM cannot hold it either. " if any(
+                       r["cpu_offload"] for r in one_node) else "")
+                + f"A larger shard group (fsdp.mesh_shape) or FULL_SHARD over all {cluster.world_size} GPUs can.")
+    if best["activation_checkpointing"]:
+        plain = _find(every, name, False, best["cpu_offload"], best["shard_group_size"] if name == "HYBRID_SHARD" else None)
+        if plain is not None and not plain["fits"]:
+            reasons.append(f"Activation checkpointing: without it activations need "
+                           f"{gb(plain['activation_bytes'] + plain['logits_bytes'])} and the peak "
+                           f"{gb(plain['peak_bytes'])} does not fit; it costs ~1/3 more compute.")
+    if best["cpu_offload"]:
+        reasons.append(f"Offloaded state takes {gb(best['host_state_bytes'] * cluster.gpus_per_node)} of host RAM "
+                       f"per node ({gb(cluster.host_memory_bytes)} available, 80% usable).")
+    if best["cpu_offload"]:
+        on_gpu = _find(every, name, best["activation_checkpointing"], False,
+                       best["shard_group_size"] if name == "HYBRID_SHARD" else None)
+        why = ("the sharded state does not fit on the GPU otherwise" if on_gpu is None or not on_gpu["fits"]
+               else "as requested (it would fit without)")
+        reasons.append(f"CPU offload: {why}; it adds {ms(best['offload_time_s'])} per step of host transfers and "
+                       f"host optimizer.")
+    comm, compute = best["comm_time_s"], best["compute_time_s"]
+    link = f"{cluster.inter_node} {cluster.inter_node_bw:g} GB/s/node" if cluster.nodes > 1 else \
+        f"{cluster.intra_node} {cluster.intra_node_bw:g} GB/s"
+    if best["bound"] == "comm-bound":
+        reasons.append(
+            f"Comm-bound: {ms(comm)} of collectives vs {ms(compute)} of compute per step over "
+            f"{link}; about {ms(best['exposed_comm_s'])} cannot hide behind compute. Raise the micro-batch "
+            f"or accumulation (more compute per gather), or use a faster interconnect.")
+    else:
+        reasons.append(f"Compute-bound: {ms(comm)} of collectives can hide behind {ms(compute)} "
+                       f"of compute per step over {link}.")
+    if cluster.nodes > 1 and name != "HYBRID_SHARD":
+        hybrids = [r for r in rows if r["sharding_strategy"] == "HYBRID_SHARD" and r["fits"]]
+        if hybrids:
+            h = min(hybrids, key=lambda r: r["step_time_s"])
+            reasons.append(f"{label(h)} also fits but is estimated slower ({ms(h['step_time_s'])} vs "
+                           f"{ms(best['step_time_s'])} per step).")
+    return _result(best, True, reasons)
+
+
+def _result(row: Dict[str, Any], fits: bool, reasons: List[str]) -> Dict[str, Any]:
+    return {
+        "sharding_strategy": row["sharding_strategy"],
+        "activation_checkpointing": row["activation_checkpointing"],
+        "cpu_offload": row["cpu_offload"],
+        "mesh_shape": row["mesh_shape"],
+        "fits": fits,
+        "label": label(row),
+        "peak_gb": row["peak_bytes"] / GB,
+        "step_time_s": row["step_time_s"],
+        "reasons": reasons,
+    }
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    header = ("configuration", "params", "grads", "optim", "gather", "activ", "peak", "headroom", "fits",
+              "comm ms", "compute ms", "step ms", "bound")
+    lines = [header]
+    for r in rows:
+        lines.append((
+            label(r), f"{r['params_bytes'] / GB:.2f}", f"{r['grads_bytes'] / GB:.2f}", f"{r['optim_bytes'] / GB:.2f}",
+            f"{(r['gather_buffer_bytes'] + r['grad_buffer_bytes']) / GB:.2f}",
+            f"{(r['activation_bytes'] + r['logits_bytes']) / GB:.2f}", f"{r['peak_bytes'] / GB:.2f}",
+            f"{r['headroom_bytes'] / GB:.2f}", "yes" if r["fits"] else "no",
+            f"{r['comm_time_s'] * 1e3:.1f}", f"{r['compute_time_s'] * 1e3:.1f}", f"{r['step_time_s'] * 1e3:.1f}",
+            r["bound"]))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+           for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out) + "\n(GB per rank; gather = unsharded parameter + gradient buffers)"

@@ -1,0 +1,157 @@
+"""``profile_report.md``, its PNG plots and the W&B table, from ``shardlight profile``'s result dict."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from framework.planner.estimate import GB
+
+COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
+           "comm_overlapped_ms", "comm_exposed_ms", "peak_gb", "params_gb", "grads_gb", "optim_gb",
+           "pred_params_gb", "pred_grads_gb", "pred_optim_gb", "pred_peak_gb", "pred_bound"]
+
+
+def table_rows(result: Dict[str, Any]) -> List[List[Any]]:
+    rows = []
+    for name, run in result["runs"].items():
+        m, p = run.get("measured") or {}, run.get("predicted") or {}
+
+        def gbv(d: Dict[str, Any], key: str) -> Optional[float]:
+            return None if d.get(key) is None else d[key] / GB
+
+        rows.append([name, run.get("world_size"), m.get("tokens_per_sec_per_device"), m.get("scaling_efficiency"),
+                     m.get("compute_ms"), m.get("comm_overlapped_ms"), m.get("comm_exposed_ms"), m.get("peak_gb"),
+                     gbv(m, "params_bytes"), gbv(m, "grads_bytes"), gbv(m, "optim_bytes"),
+                     gbv(p, "params_bytes"), gbv(p, "grads_bytes"), gbv(p, "optim_bytes"), gbv(p, "peak_bytes"),
+                     p.get("bound")])
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def plots(result: Dict[str, Any], out: Path) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {k: v for k, v in result["runs"].items() if v.get("measured")}
+    names = list(runs)
+    written = []
+    if not names:
+        return written
+    m = [runs[n]["measured"] for n in names]
+    # 1. compute vs overlapped/exposed communication per step
+    fig, ax = plt.subplots(figsize=(7, 4))
+    compute = [x.get("compute_ms") or 0 for x in m]
+    overlapped = [x.get("comm_overlapped_ms") or 0 for x in m]
+    exposed = [x.get("comm_exposed_ms") or 0 for x in m]
+    ax.bar(names, compute, label="compute")
+    ax.bar(names, overlapped, bottom=compute, label="comm overlapped")
+    ax.bar(names, exposed, bottom=[a + b for a, b in zip(compute, overlapped)], label="comm exposed")
+    ax.set_ylabel("ms per profiled step (mean over ranks)")
+    ax.set_title("Compute vs communication")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "comm.png", dpi=110)
+    plt.close(fig)
+    written.append("comm.png")
+    # 2. memory per rank per strategy
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, max(len(x.get("peak_gb_per_rank") or [0]) for x in m))
+    labelled: set = set()
+    for i, (name, x) in enumerate(zip(names, m)):
+        ranks = x.get("peak_gb_per_rank") or []
+        for r, peak in enumerate(ranks):
+            ax.bar(i + (r - (len(ranks) - 1) / 2) * width, peak or 0, width=width, color=f"C{r}",
+                   label=None if r in labelled else f"rank {r}")
+            labelled.add(r)
+        pred = (runs[name].get("predicted") or {}).get("peak_bytes")
+        if pred is not None:
+            ax.plot([i - 0.4, i + 0.4], [pred / GB] * 2, "k--",
+                    label=None if "plan" in labelled else "planned peak (tensors)")
+            labelled.add("plan")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("peak GB (GPU: max allocated; CPU: process RSS)")
+    ax.set_title("Memory per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+    written.append("memory.png")
+    # 3. tokens/s/device and scaling efficiency vs the baseline
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tps = [x.get("tokens_per_sec_per_device") or 0 for x in m]
+    bars = ax.bar(names, tps, color="C2")
+    for bar, x in zip(bars, m):
+        eff = x.get("scaling_efficiency")
+        if eff is not None:
+            ax.annotate(f"{eff:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom")
+    ax.set_ylabel("tokens/s per device")
+    ax.set_title("Throughput (labels: scaling efficiency vs the 1-device baseline)")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+    written.append("throughput.png")
+    return written
+
+
+def log_wandb_table(result: Dict[str, Any], out: Path, mode: Optional[str]) -> Optional[str]:
+    """A W&B run in ``out/wandb`` with the ``profile/strategies`` table; failures are warnings."""
+    import os
+
+    try:
+        import wandb
+
+        run_mode = mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        if run_mode == "disabled":
+            return None
+        run = wandb.init(project="shardlight", name=f"profile-{result['recipe']}", dir=str(out), mode=run_mode,
+                         job_type="profile", reinit=True)
+        run.log({"profile/strategies": wandb.Table(columns=COLUMNS, data=table_rows(result))})
+        run.summary["measured_best"] = result["measured_best"]
+        run.summary["plan_prediction"] = result["plan_prediction"]
+        run.finish()
+        return "profile/strategies"
+    except Exception as exc:  # noqa: BLE001 - the report must still be written
+        warnings.warn(f"shardlight: W&B profile table failed: {type(exc).__name__}: {exc}", RuntimeWarning)
+        return None
+
+
+def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True, wandb_mode: Optional[str] = None) -> None:
+    images = plots(result, out)
+    table = log_wandb_table(result, out, wandb_mode) if wandb_enabled else None
+    rec = result["plan_recommendation"]
+    lines = [f"# shardlight profile: {result['recipe']}", "",
+             f"{result['steps']} optimizer steps per run, {result['world_size']} ranks per strategy run.", "",
+             f"- **measured best**: {result['measured_best']}",
+             f"- **plan's prediction** among the swept strategies: {result['plan_prediction']}"
+             f" ({'agree' if result['agree'] else 'disagree' if result['agree'] is False else 'no comparison'})",
+             f"- **plan's overall recommendation** for the planned cluster: {rec['label']}", ""]
+    if result["notes"]:
+        lines += ["## Where measurement and plan disagree", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    lines += ["## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in table_rows(result)]
+    lines += ["", "Measured `params/grads/optim` are the exact local shard bytes (memory callback, max over ranks); "
+              "predicted ones come from `shardlight plan`. Peak on CPU is the process RSS (includes the Python/torch "
+              "runtime), on GPU `max_memory_allocated`; the planned peak counts tensors only.", ""]
+    failed = {k: v for k, v in result["runs"].items() if "error" in v}
+    if failed:
+        lines += ["## Failed runs", ""] + [f"- {k}: {v['error']} (log: `{v['log']}`)" for k, v in failed.items()] + [""]
+    for image in images:
+        lines += [f"![{image}]({image})", ""]
+    if result.get("baseline_file"):
+        lines += [f"Baseline for `callbacks.throughput.baseline_file`: `{result['baseline_file']}`", ""]
+    if table:
+        lines += [f"W&B table: `{table}` (run in `{out / 'wandb'}`)", ""]
+    lines += ["## Plan reasons", ""] + [f"- {r}" for r in rec["reasons"]] + [""]
+    (out / "profile_report.md").write_text("\n".join(lines))

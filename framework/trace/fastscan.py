@@ -1,0 +1,336 @@
+"""Fast pass over a Kineto trace: a few C-speed scans of the raw bytes instead of decoding events.
+
+A GPU analysis needs a small part of a trace: GPU rows (events with ``args.stream``), the launch
+calls that share their correlation ids, and the ``ProfilerStep`` markers. Decoding every event
+with the json module costs about as much as the whole analysis may take, so the event array is
+cut into chunks of whole events and each chunk gets:
+
+* ``_KERNEL`` / ``_LAUNCH``: compiled regexes that read name, ts, dur and correlation of GPU rows
+  (stream >= 0 before the correlation) and ts and correlation of launch calls, in Kineto's key
+  order;
+* ``bytes.count`` of ``"stream"`` and ``"correlation"``: regex matches never overlap and each
+  holds one such key, so equal counts prove that every event carrying one was read by a regex
+  (which tokenizes strings and numbers exactly), and none was read twice;
+* the events around each ``ProfilerStep`` are cut out and decoded with json, for their step part
+  (there are a few per step).
+
+:mod:`framework.trace.chunks` supplies the chunks and, per chunk, whether a float timestamp
+occurs (one anywhere makes HTA round the whole file), where the array may end and where
+``ProfilerStep`` occurs.
+
+A chunk whose counts disagree (another key order, a negative id, an unexpected category) is
+decoded event by event instead (``_scan_pieces``). Anything else unexpected -- a separator inside
+a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file is read in full
+by :mod:`framework.trace.reader`, which also words the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from bisect import bisect_left
+from itertools import repeat
+from pathlib import Path
+
+from framework.trace.chunks import Chunks
+from framework.trace.records import Collector, TraceRecord, as_int
+
+
+class FastPathMiss(Exception):
+    """The fast pass met something it cannot handle exactly; the file must be read in full."""
+
+
+_WS = re.compile(rb"[ \t\n\r]*")
+_WS_BYTES = b" \t\n\r"
+_DECODER = json.JSONDecoder()
+_NUM = rb"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"
+# From the category to just past the ids, in Kineto's key order and spacing (json.dumps' too).
+# A name is read up to the first quote: at an escaped quote what follows cannot match, so the
+# counts disagree; other escapes are decoded with json. Before the ids, args are skipped token by
+# token (strings may hold braces, as in "{lambda()#1}"), and no brace may occur outside a
+# string, so every key read belongs to the same event.
+_HEAD = (rb'", "name": "(%s)",\s*"pid":[^,{}]*,\s*"tid":[^,{}]*,\s*"ts":\s*(%s),\s*"dur":\s*%s,'
+         rb'\s*"args":\s*\{[^{}"]*(?:"[^"\\]*(?:\\.[^"\\]*)*"[^{}"]*)*?')
+_KERNEL = re.compile(rb'"cat": "(?:kernel|gpu_memcpy|gpu_memset|cuda_sync)'
+                     + _HEAD % (rb'[^"]*', _NUM, b"(" + _NUM + b")")
+                     + rb'"stream":\s*\d+,\s*"correlation":\s*(\d+)[,}\s]')
+_LAUNCH = re.compile(rb'"cat": "(?:cuda_runtime|cuda_driver)' + _HEAD % (rb'?:[^"]*', _NUM, _NUM)
+                     + rb'"correlation":\s*(\d+)[,}\s]')
+_SEPARATOR = re.compile(rb"\}\s*,\s*\{")
+_STEP = b"ProfilerStep"
+
+
+class _Window:
+    """A growable byte window over the chunks, for reading one JSON token or value at a time."""
+
+    def __init__(self, chunks: Chunks):
+        self._chunks = chunks
+        self.buf = b""
+        self.pos = 0
+        self.eof = False
+        self.base = 0  # file offset of buf[0]
+        # File offsets of "]" after "}" and of "ProfilerStep" (see chunks.py), ascending.
+        self._ends: list[int] = []
+        self._first_end = 0
+        self.steps: list[int] = []
+
+    def fill(self) -> bool:
+        item = None if self.eof else self._chunks.next()
+        if item is None:
+            self.eof = True
+            return False
+        data, ends, steps = item
+        self.base += self.pos
+        self.buf = self.buf[self.pos:] + data
+        self.pos = 0
+        self._ends.extend(ends)
+        self.steps.extend(steps)
+        return True
+
+    def array_end(self, start: int) -> int:
+        """Index in buf of the first possible array end at or after buf[start], else len(buf)."""
+        ends = self._ends
+        self._first_end = bisect_left(ends, self.base + start, self._first_end)
+        if self._first_end < len(ends):
+            return min(ends[self._first_end] - self.base, len(self.buf))
+        return len(self.buf)
+
+    def peek(self) -> int:
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.fill():
+                return -1
+
+    def expect(self, chars: bytes) -> int:
+        char = self.peek()
+        if char < 0 or char not in chars:
+            raise FastPathMiss(f"expected {chars!r}")
+        self.pos += 1
+        return char
+
+    def value(self):
+        self.peek()
+        size = 1 << 16
+        while True:
+            buf, pos = self.buf, self.pos
+            raw = buf[pos:pos + size]
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError as exc:
+                if exc.end < len(raw):
+                    raise
+                text = raw[:exc.start].decode()  # the window cut a character; try without it
+            end = pos + len(raw)
+            try:
+                obj, used = _DECODER.raw_decode(text)
+            except json.JSONDecodeError:
+                used = -1
+            # A value that ends at the window edge (a number, say) may go on past it.
+            if used >= 0 and (used < len(text) or (end == len(buf) and self.eof)):
+                self.pos = pos + (used if text.isascii() else len(text[:used].encode()))
+                return obj
+            if end < len(buf):
+                size *= 8
+            elif not self.fill() and used < 0:
+                raise FastPathMiss("invalid JSON value")
+
+
+def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
+    """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
+    record = TraceRecord(path=str(path), rank=0, rank_from_metadata=False)
+    try:
+        chunks = Chunks(path, chunk_chars // 2)  # see Chunks.__init__ on the size
+    except OSError:
+        raise FastPathMiss("cannot open") from None
+    try:
+        window = _Window(chunks)
+        scanner = _Scanner(record)
+        if window.expect(b"{[") == ord("["):
+            scanner.events(window)
+        elif not _top_object(window, scanner, record):
+            raise FastPathMiss("no traceEvents")
+        if window.peek() >= 0:
+            raise FastPathMiss("extra data")
+        record.float_timestamps = record.float_timestamps or chunks.float_ts
+        if not record.float_timestamps and _fractional_durations(record):
+            # An event without "ts" also makes HTA round (its ts column turns float), which
+            # changes only fractional durations; finding such events takes the full read.
+            raise FastPathMiss("fractional durations")
+    # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and zlib.error come from reading.
+    except (ValueError, RecursionError, OSError, EOFError, zlib.error) as exc:
+        raise FastPathMiss(str(exc)) from None
+    finally:
+        chunks.close()
+    return record
+
+
+def _fractional_durations(record: TraceRecord) -> bool:
+    durations = record.gpu_dur + [row.dur for row in record.step_rows]
+    return any(type(dur) is float and not dur.is_integer() for dur in durations)
+
+
+def _top_object(window: _Window, scanner: _Scanner, record: TraceRecord) -> bool:
+    saw_events = False
+    if window.peek() == ord("}"):
+        return False
+    while True:
+        key = window.value()
+        if not isinstance(key, str):
+            raise FastPathMiss("object key is not a string")
+        window.expect(b":")
+        if key == "traceEvents":
+            window.expect(b"[")
+            scanner.events(window)
+            saw_events = True
+        else:
+            value = window.value()
+            if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
+                rank = as_int(value.get("rank"), default=-1)
+                if rank < 0:
+                    raise FastPathMiss("bad rank")
+                record.rank = rank
+                record.rank_from_metadata = True
+        if window.expect(b",}") == ord("}"):
+            return saw_events
+
+
+def _last_event_start(buf: bytes, start: int, limit: int) -> int:
+    """Index of the last "{" in (start, limit) that follows "}" "," (whitespace aside), else start.
+
+    ``buf[start]`` is the "{" of an event, so the backward whitespace skips stop there.
+    """
+    index = limit
+    while True:
+        index = buf.rfind(b"{", start + 1, index)
+        if index < 0:
+            return start
+        before = index - 1
+        while buf[before] in _WS_BYTES:
+            before -= 1
+        if buf[before] != 44:  # ","
+            continue
+        before -= 1
+        while buf[before] in _WS_BYTES:
+            before -= 1
+        if buf[before] == 125:  # "}"
+            return index
+
+
+def _numbers(raw) -> tuple[list, bool]:
+    """JSON number tokens as json would give them, and whether any is a float."""
+    try:
+        return list(map(int, raw)), False
+    except ValueError:
+        return [float(x) if (b"." in x or b"e" in x or b"E" in x) else int(x) for x in raw], True
+
+
+def _texts(raw: tuple[bytes, ...]) -> list[str]:
+    """JSON string contents as str: one decode for all, unless one holds an escape."""
+    joined = b"\0".join(raw)
+    if b"\\" not in joined:
+        texts = joined.decode().split("\0")
+        if len(texts) == len(raw):  # else a name held a raw NUL (invalid JSON, but be exact)
+            return texts
+    return [name.decode() if b"\\" not in name else json.loads(b'"' + name + b'"') for name in raw]
+
+
+class _Scanner:
+    def __init__(self, record: TraceRecord):
+        self.record = record
+        self.collector = Collector(record)
+
+    def events(self, window: _Window) -> None:
+        """Everything from after traceEvents' "[" to after its "]"."""
+        if window.peek() == ord("]"):
+            window.pos += 1
+            return
+        while True:
+            # Whole chunks of events while the window holds them...
+            while window.peek() == ord("{"):
+                buf, start = window.buf, window.pos
+                limit = window.array_end(start)
+                cut = _last_event_start(buf, start, limit)
+                if cut > start:
+                    steps = window.steps
+                    first = bisect_left(steps, window.base + start)
+                    last = bisect_left(steps, window.base + cut, first)
+                    self._scan_region(buf, start, cut, [at - window.base for at in steps[first:last]])
+                    window.pos = cut
+                elif limit < len(buf) or not window.fill():
+                    break
+            # ...then one event decoded in full: the last one, or one holding "}]".
+            self.collector.add(window.value())
+            if window.expect(b",]") == ord("]"):
+                return
+
+    def _scan_region(self, buf: bytes, start: int, end: int, steps: list[int]) -> None:
+        """Events in ``buf[start:end]``: whole events, ``buf[end]`` is the next one's "{".
+
+        ``steps``: where "ProfilerStep" occurs in that range.
+        """
+        streams = buf.count(b'"stream"', start, end)
+        correlations = buf.count(b'"correlation"', start, end)
+        kernels = _KERNEL.findall(buf, start, end) if streams else []
+        launches = _LAUNCH.findall(buf, start, end) if correlations > len(kernels) else []
+        if len(kernels) != streams or len(kernels) + len(launches) != correlations:
+            self._scan_pieces(buf, start, end)
+        else:
+            if kernels:
+                self._add_kernels(kernels)
+            if launches:
+                self._add_launches(launches)
+            self._add_steps(buf, start, end, steps)
+
+    def _add_kernels(self, kernels: list) -> None:
+        names, stamps, durations, correlations = zip(*kernels)
+        stamps, floats = _numbers(stamps)
+        if floats:
+            self.record.float_timestamps = True
+        durations, _ = _numbers(durations)
+        record = self.record
+        record.gpu_name.extend(_texts(names))
+        record.gpu_ts.extend(stamps)
+        record.gpu_dur.extend(durations)
+        record.gpu_correlation.extend(map(int, correlations))
+        record.gpu_is_kernel.extend(repeat(True, len(stamps)))
+
+    def _add_launches(self, launches: list) -> None:
+        stamps, correlations = zip(*launches)
+        stamps, floats = _numbers(stamps)
+        if floats:
+            self.record.float_timestamps = True
+        correlations = list(map(int, correlations))
+        known = self.record.launch_ts
+        fresh = dict(zip(correlations, stamps))
+        if len(fresh) == len(correlations) and known.keys().isdisjoint(fresh):
+            known.update(fresh)
+            return
+        for correlation, ts in zip(correlations, stamps):  # an id launched twice: keep the earliest
+            earlier = known.get(correlation)
+            if earlier is None or ts < earlier:
+                known[correlation] = ts
+
+    def _add_steps(self, buf: bytes, start: int, end: int, steps: list[int]) -> None:
+        """Decode each event mentioning ProfilerStep, for its step part only."""
+        last = start
+        for found in steps:
+            if found < last:
+                continue  # the event was decoded already
+            first = _last_event_start(buf, start, found)
+            # buf[end] is "{" after a separator, so a separator is always found.
+            last = _SEPARATOR.search(buf, found, end + 1).start() + 1
+            self.collector.add(json.loads(buf[first:last]), step_only=True)
+
+    def _scan_pieces(self, buf: bytes, start: int, end: int) -> None:
+        """The exact fallback for a chunk: every event that may matter, decoded with json.
+
+        A separator inside a string cuts an event wrongly; the piece then fails to decode, which
+        ends the fast pass (ValueError becomes FastPathMiss).
+        """
+        add = self.collector.add
+        for piece in _SEPARATOR.split(buf[start + 1:end + 1])[:-1]:
+            if b'"stream"' in piece or b'"correlation"' in piece or _STEP in piece:
+                add(json.loads(b"{" + piece + b"}"))

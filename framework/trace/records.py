@@ -1,0 +1,145 @@
+"""The compact per-file records the analysis works on, and the rules that fill them from events.
+
+Rows are kept the way HTA 0.5.0 keeps them: events without ``dur`` or ``cat`` and ``cat == "Trace"``
+are dropped; ``args.stream`` that is missing or not an integer becomes -1, a missing
+``args.correlation`` becomes -1. Timestamps are kept raw; :mod:`framework.trace.metrics` applies
+HTA's float rounding once it knows whether the file has any float timestamp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# HTA classifies these as GPU rows for its last-step filter even though their stream is -1.
+SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
+
+
+@dataclass
+class GpuRow:
+    """A row with ``args.stream != -1``: what HTA's GPU analyses look at."""
+
+    name: str
+    ts: float
+    dur: float
+    correlation: int
+    # HTA's filter treats a row as a GPU kernel only with stream >= 0 and correlation >= 0;
+    # anything else on a stream is filtered like a CPU row, by its own timestamp.
+    is_kernel: bool
+
+
+@dataclass
+class CpuRow:
+    """A CPU-side row the gloo analysis or the step logic needs."""
+
+    name: str
+    cat: str
+    ts: float
+    dur: float
+    tid: Any
+
+
+@dataclass
+class TraceRecord:
+    path: str
+    rank: int
+    rank_from_metadata: bool
+    # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
+    float_timestamps: bool = False
+    # GPU rows by column (name, ts, dur, correlation, is_kernel of GpuRow): the fast reader
+    # extends these from regex matches and the metrics turn them into arrays, all without a
+    # Python object per kernel.
+    gpu_name: list[str] = field(default_factory=list)
+    gpu_ts: list[float] = field(default_factory=list)
+    gpu_dur: list[float] = field(default_factory=list)
+    gpu_correlation: list[int] = field(default_factory=list)
+    gpu_is_kernel: list[bool] = field(default_factory=list)
+    # correlation id -> earliest ts of a CPU-side row carrying it (the runtime launch call)
+    launch_ts: dict[int, float] = field(default_factory=dict)
+    # every non-GPU row whose name contains "ProfilerStep" (HTA's last-step filter input)
+    step_rows: list[CpuRow] = field(default_factory=list)
+    # names containing "ProfilerStep" on any kept row: HTA counts them to decide whether to filter
+    step_names: set[str] = field(default_factory=set)
+    gloo_rows: list[CpuRow] = field(default_factory=list)
+    aten_rows: list[CpuRow] = field(default_factory=list)
+    collective_rows: list[CpuRow] = field(default_factory=list)
+    event_count: int = 0
+
+    @property
+    def gpu_rows(self) -> list[GpuRow]:
+        return list(map(GpuRow, self.gpu_name, self.gpu_ts, self.gpu_dur, self.gpu_correlation, self.gpu_is_kernel))
+
+    def add_gpu_row(self, name: str, ts: float, dur: float, correlation: int, is_kernel: bool) -> None:
+        self.gpu_name.append(name)
+        self.gpu_ts.append(ts)
+        self.gpu_dur.append(dur)
+        self.gpu_correlation.append(correlation)
+        self.gpu_is_kernel.append(is_kernel)
+
+
+def as_int(value: Any, default: int = -1) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+class Collector:
+    """Turns decoded events into the compact rows of a TraceRecord."""
+
+    def __init__(self, record: TraceRecord):
+        self.record = record
+
+    def add(self, event: Any, step_only: bool = False) -> None:
+        """Apply one decoded event; ``step_only`` applies just its ProfilerStep part.
+
+        The fast scanner reads GPU rows and launch calls with regexes and decodes an event only
+        for its step marker, so that part must be separable without counting the rest twice.
+        """
+        record = self.record
+        if not isinstance(event, dict):
+            return
+        record.event_count += 1
+        ts = event.get("ts")
+        if ts is None or isinstance(ts, float):
+            record.float_timestamps = True
+        dur = event.get("dur")
+        cat = event.get("cat")
+        if dur is None or cat is None or cat == "Trace" or ts is None:
+            return
+        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+            return
+        name = event.get("name")
+        if not isinstance(name, str):
+            name = str(name)
+        args = event.get("args")
+        if isinstance(args, dict):
+            stream = as_int(args.get("stream", -1))
+            correlation = as_int(args.get("correlation", -1))
+        else:
+            stream = correlation = -1
+        is_kernel = (stream >= 0 and correlation >= 0) or name in SYNC_EVENT_NAMES
+        if "ProfilerStep" in name:
+            record.step_names.add(name)
+        if step_only:
+            if stream == -1 and not is_kernel and "ProfilerStep" in name:
+                record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+            return
+        if stream != -1:
+            record.add_gpu_row(name, ts, dur, correlation, is_kernel)
+        if is_kernel:
+            return
+        if correlation >= 0:
+            known = record.launch_ts.get(correlation)
+            if known is None or ts < known:
+                record.launch_ts[correlation] = ts
+        if stream != -1:
+            return
+        if "ProfilerStep" in name:
+            record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+        elif name.startswith("aten::"):
+            record.aten_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+        elif name.startswith("gloo:"):
+            record.gloo_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+        elif name.startswith(("c10d::", "FSDP::")):
+            record.collective_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))

@@ -1,0 +1,354 @@
+"""Sharded checkpoints: exact resume (FSDP1, FSDP2, mid-epoch and at an epoch end), resharding 2 -> 1 -> 2
+ranks, verified Hugging Face export, `inspect`, `full_params`, and faults (a rank SIGKILLed, a run killed
+mid-save, missing/corrupt shards). Every Lightning fit runs in its own process (2 gloo ranks unless said)."""
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, forbid_training, run_cli
+
+pytestmark = pytest.mark.slow
+
+TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
+TRAIN_DATA = REPO / "recipes" / "data" / "tiny_sft_train.jsonl"
+FAST = ["callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false",
+        "logging.wandb.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny Llama and a recipe whose epoch is 4 optimizer steps (so 10 steps cross two epochs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(root / "init")
+    rows = TRAIN_DATA.read_text().splitlines()[:30]
+    (root / "train.jsonl").write_text("\n".join(rows) + "\n")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        model: {{name_or_path: {root / 'init'}}}
+        tokenizer: {{name_or_path: {TOKENIZER}}}
+        data: {{train_files: [{root / 'train.jsonl'}], val_fraction: 0.0, seq_len: 32}}
+        optim: {{lr: 1.0e-3, warmup_steps: 1, weight_decay: 0.1}}
+        trainer: {{max_steps: 10, micro_batch_size: 2, accelerator: cpu, devices: 2, limit_val_batches: 0,
+                   progress_bar: false, log_every_n_steps: 1, num_threads: 1, collective_timeout_s: 30}}
+        checkpoint: {{every_n_steps: 2, keep_last: 5}}
+        fsdp: {{transformer_cls_names_to_wrap: [LlamaDecoderLayer]}}
+    """))
+    return root, recipe
+
+
+def train(recipe, out_dir, *overrides, env=None, expect_ok=True):
+    summary = Path(out_dir) / "summary.json"
+    result = run_cli(["train", str(recipe), f"output_dir={out_dir}", "--summary-json", str(summary), *FAST,
+                      *overrides], env=env)
+    if expect_ok:
+        assert result.returncode == 0, result.stderr[-4000:]
+        return json.loads(summary.read_text()), result
+    return None, result
+
+
+def losses(run_dir):
+    """Per-step train/loss from metrics.csv, keyed by optimizer step (1-based)."""
+    with open(Path(run_dir) / "csv" / "metrics.csv") as fh:
+        return {int(r["step"]) + 1: float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")}
+
+
+@pytest.fixture(scope="module")
+def run_a(tiny, tmp_path_factory):
+    """The uninterrupted reference: 10 steps on 2 ranks, FSDP1, a checkpoint every 2 steps."""
+    _, recipe = tiny
+    out = tmp_path_factory.mktemp("run_a")
+    summary, _ = train(recipe, out)
+    return Path(summary["run_dir"]), summary
+
+
+def assert_same_losses(reference, resumed, steps):
+    assert sorted(resumed) == list(steps), resumed
+    for step in steps:
+        assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
+
+
+def test_checkpoint_layout_and_exact_resume_mid_epoch_and_at_epoch_end(tiny, run_a, tmp_path):
+    _, recipe = tiny
+    run_dir, summary = run_a
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == [f"step-{s}" for s in (10, 2, 4, 6, 8)]
+    assert (ckpts / "latest").read_text().strip() == "step-10"
+    assert summary["checkpoint"] == str(ckpts / "step-10")
+    assert not list(ckpts.glob(".tmp-*"))
+    step6 = ckpts / "step-6"
+    meta = json.loads((step6 / "shardlight.json").read_text())
+    assert meta["step"] == 6 and meta["world_size"] == 2 and (meta["epoch"], meta["batch_in_epoch"]) == (1, 2)
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "extra_rank0.pt", "extra_rank1.pt"} <= set(meta["files"])
+    extra = torch.load(step6 / "extra_rank1.pt", weights_only=True)
+    assert extra["global_step"] == 6 and extra["rank"] == 1
+
+    reference = losses(run_dir)
+    assert sorted(reference) == list(range(1, 11))
+    # step 6 is mid-epoch (2 of 4 batches of epoch 1); step 4 ends epoch 0.
+    for start in (6, 4):
+        resumed, result = train(recipe, tmp_path / f"from{start}", f"resume={ckpts / f'step-{start}'}")
+        assert f"resumed from {ckpts / f'step-{start}'} at step {start}" in result.stderr
+        assert resumed["steps"] == 10
+        assert_same_losses(reference, losses(resumed["run_dir"]), range(start + 1, 11))
+
+
+def test_fsdp2_exact_resume_with_gradient_accumulation(tiny, tmp_path):
+    _, recipe = tiny
+    fsdp2 = ["fsdp.fsdp_version=2", "trainer.accumulate_grad_batches=2"]
+    full, _ = train(recipe, tmp_path / "a", *fsdp2, "checkpoint.every_n_steps=3")
+    reference = losses(full["run_dir"])
+    step6 = Path(full["run_dir"]) / "checkpoints" / "step-6"
+    resumed, _ = train(recipe, tmp_path / "b", *fsdp2, f"resume={step6}")
+    assert_same_losses(reference, losses(resumed["run_dir"]), range(7, 11))
+
+
+def test_reshard_two_to_one_to_two_ranks_and_export_at_end(tiny, run_a, tmp_path):
+    _, recipe = tiny
+    run_dir, _ = run_a
+    reference = losses(run_dir)
+    one, result = train(recipe, tmp_path / "one", "trainer.devices=1", f"resume={run_dir / 'checkpoints' / 'step-6'}")
+    assert "resumed from" in result.stderr and one["world_size"] == 1
+    first = losses(one["run_dir"])[7]
+    # Different data order on one rank, same weights: close to the 2-rank loss, far from the untrained one.
+    assert abs(first - reference[7]) < abs(first - reference[1]), (first, reference)
+    two, result = train(recipe, tmp_path / "two", "trainer.max_steps=12", "resume=auto",
+                        f"resume_dir={one['run_dir']}", "export=true")
+    assert f"resumed from {Path(one['run_dir']) / 'checkpoints' / 'step-10'}" in result.stderr
+    assert sorted(losses(two["run_dir"])) == [11, 12] and two["world_size"] == 2
+    assert two["checkpoint_export_max_abs_diff"] <= 1e-5
+    assert (Path(two["export_dir"]) / "model.safetensors").is_file()
+
+    inspect_one = run_cli(["inspect", str(Path(one["run_dir"]) / "checkpoints" / "step-10")])
+    inspect_two = run_cli(["inspect", two["run_dir"]])
+    assert inspect_one.returncode == 0 and inspect_two.returncode == 0, inspect_one.stderr + inspect_two.stderr
+    assert "1 rank(s) wrote shards" in inspect_one.stdout and "2 rank(s) wrote shards" in inspect_two.stdout
+
+
+def test_export_cli_matches_trained_model_and_inspect_lists_shards(run_a, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, summary = run_a
+    out = tmp_path / "hf"
+    result = run_cli(["export", str(run_dir / "checkpoints" / "step-10"), "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"max \|diff\| = \S+ \(tolerance 1e-05\): OK", result.stdout), result.stdout
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["ok"] and report["max_abs_diff"] <= 1e-5
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    # The export of the final checkpoint is the model training ended with (written by the full-state path).
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(input_ids=ids).logits
+        b = AutoModelForCausalLM.from_pretrained(summary["model_dir"], dtype=torch.float32).eval()(input_ids=ids).logits
+    assert float((a - b).abs().max()) <= 1e-6
+
+    listing = tmp_path / "inspect.json"
+    result = run_cli(["inspect", str(run_dir / "checkpoints" / "step-10"), "--json", str(listing)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("model.layers.0.self_attn.q_proj.weight"))
+    assert "(32, 32)" in line and "float32" in line and "r0:" in line and "r1:" in line
+    data = json.loads(listing.read_text())
+    assert data["ranks"] == [0, 1]
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert data["model_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert data["other_bytes"] > data["model_bytes"]  # AdamW's two moments per parameter
+    q = next(e for e in data["entries"] if e["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert [s["rank"] for s in q["shards"]] == [0, 1] and q["shape"] == [32, 32]
+    assert not any(e["name"].startswith("optim") for e in data["entries"])
+
+
+def _children(pid):
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _rank1(pid):
+    """Lightning's subprocess launcher starts rank 1 as a child of rank 0 with LOCAL_RANK=1."""
+    return next(c for c in _children(pid) if c.environ().get("LOCAL_RANK") == "1")
+
+
+@pytest.mark.parametrize("victim", ["rank1", "rank0", "rank1-stopped"])
+def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim):
+    """SIGKILL of either rank; and SIGSTOP (a hung rank), which only the collective timeout can detect."""
+    import psutil
+
+    _, recipe = tiny
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("LOCAL_RANK", None)
+    env.pop("SHARDLIGHT_RUN_DIR", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framework.cli", "train", str(recipe), f"output_dir={tmp_path}", *FAST,
+         "trainer.max_steps=100000", "checkpoint.every_n_steps=100000", "trainer.collective_timeout_s=15"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank1 = None
+    try:
+        started = time.time()
+        while time.time() - started < 300:  # until a few steps have been logged
+            files = list(tmp_path.glob("*/*/csv/metrics.csv"))
+            if files and files[0].read_text().count("\n") > 3:
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        rank1 = _rank1(proc.pid)
+        killed, survivor = (proc.pid, rank1) if victim == "rank0" else (rank1.pid, proc)
+        t0 = time.time()
+        os.kill(killed, signal.SIGSTOP if victim == "rank1-stopped" else signal.SIGKILL)
+        if victim != "rank0":
+            proc.wait(timeout=60)
+        else:
+            survivor.wait(timeout=60)
+        elapsed = time.time() - t0
+        if victim == "rank1-stopped":
+            rank1.kill()  # stopped, it cannot act on the launcher's SIGTERM and still holds our stderr pipe
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if rank1 is not None and rank1.is_running():
+            try:
+                rank1.kill()  # a stopped rank 1 outlives rank 0 unless the launcher reaped it
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+    assert elapsed < 60
+    survivor_rank = 1 if victim == "rank0" else 0
+    assert f"error: rank {survivor_rank}: a collective failed, another rank probably died" in stderr, stderr[-3000:]
+    if victim != "rank0":
+        assert proc.returncode not in (0, None)
+
+
+def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny, run_a, tmp_path):
+    _, recipe = tiny
+    out = tmp_path / "runs"
+    _, result = train(recipe, out, env={"SHARDLIGHT_FAULT_KILL_IN_SAVE_STEP": "4"}, expect_ok=False)
+    assert result.returncode != 0
+    (killed,) = list((out / "tiny").iterdir())
+    ckpts = killed / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2"
+    assert [p.name for p in ckpts.glob("step-*")] == ["step-2"]
+    assert (ckpts / ".tmp-step-4").is_dir() and not (ckpts / ".tmp-step-4" / "shardlight.json").exists()
+
+    resumed, result = train(recipe, out, "resume=auto")  # the newest run of this recipe: the killed one
+    assert f"resumed from {ckpts / 'step-2'} at step 2" in result.stderr
+    assert_same_losses(losses(run_a[0]), losses(resumed["run_dir"]), range(3, 11))
+
+
+def test_missing_or_corrupt_shard_is_one_clear_error_before_loading(tiny, run_a, tmp_path, monkeypatch, capsys):
+    from framework.cli import main
+
+    forbid_training(monkeypatch)
+    monkeypatch.delenv("SHARDLIGHT_RESUME_FROM", raising=False)
+    _, recipe = tiny
+    source = run_a[0] / "checkpoints" / "step-10"
+    cases = {
+        "corrupt": lambda d: (d / "__1_0.distcp").write_bytes(b"\0" * (d / "__1_0.distcp").stat().st_size),
+        "truncated": lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+        "missing": lambda d: (d / "__1_0.distcp").unlink(),
+    }
+    for name, damage in cases.items():
+        ckpt = tmp_path / name / "step-10"
+        shutil.copytree(source, ckpt)
+        damage(ckpt)
+        shard = "__1_0.distcp" if name != "truncated" else "__0_0.distcp"
+        for argv in (["train", str(recipe), f"output_dir={tmp_path / 'out'}", f"resume={ckpt}", *FAST],
+                     ["export", str(ckpt), "--out", str(tmp_path / "export")]):
+            monkeypatch.delenv("SHARDLIGHT_RESUME_FROM", raising=False)
+            assert main(argv) == 2, (name, argv[0])
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+            assert str(ckpt / shard) in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "export").exists()
+    monkeypatch.delenv("SHARDLIGHT_RESUME_FROM", raising=False)
+
+
+def test_torch_load_only_with_weights_only():
+    import ast
+
+    offenders, calls = [], 0
+    for path in list((REPO / "framework").rglob("*.py")) + list((REPO / "callbacks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr == "load" \
+                    and isinstance(func.value, ast.Name) and func.value.id == "torch":
+                calls += 1
+                if not any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords):
+                    offenders.append(f"{path}:{node.lineno}")
+    assert calls >= 1 and not offenders, offenders
+
+
+def test_full_params_fsdp1_and_fsdp2(tmp_path):
+    out = tmp_path / "seen.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), FP_PORT=str(29500 + os.getpid() % 400))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "full_params_worker.py"), str(out)],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    for version in ("fsdp1", "fsdp2"):
+        s = seen[version]
+        assert s["shape"] == [32, 32] and s["embed_shape"] == [512, 32], (version, s)
+        assert s["equal_to_init"] and s["discarded"] and s["written_back"] and s["embed_zero"], (version, s)
+    assert seen["fsdp1"]["sharded_after"] != [32, 32]  # back to FSDP1's flat shard views
+    assert seen["fsdp2"]["sharded_numel"] == 512  # half of q_proj per rank
+
+
+def test_checkpoint_keys_and_collective_timeout():
+    from framework.config import load_recipe
+    from framework.errors import ShardlightError
+    from framework.train import build_strategy
+
+    cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
+                             "resume_dir=/x", "export=true", "trainer.collective_timeout_s=45"])
+    assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, cfg.resume, cfg.export) == (7, None, "auto", True)
+    assert build_strategy(cfg)._timeout == timedelta(seconds=45)
+    for bad in ("checkpoint.keep_last=0", "checkpoint.every_n_steps=-1", "trainer.collective_timeout_s=0"):
+        with pytest.raises(ShardlightError):
+            load_recipe(None, [bad])
+
+
+def test_resume_discovery_skips_incomplete_checkpoints(tmp_path, monkeypatch):
+    from framework.checkpoint_store import META, find_resume, newest_checkpoint
+    from framework.config import load_recipe
+    from framework.errors import ShardlightError
+
+    def fake(run, step, complete=True):
+        d = tmp_path / "runs" / "r" / run / "checkpoints" / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"")
+        if complete:
+            (d / META).write_text(json.dumps({"files": {}}))
+        return d
+
+    monkeypatch.setattr("framework.checkpoint_store.verify_checkpoint", lambda path: {})
+    old = fake("20260101-000000", 4)
+    assert newest_checkpoint(old.parent) == old
+    fake("20260101-000000", 6, complete=False)  # a save that never finished
+    (old.parent / "latest").write_text("step-6\n")  # stale pointer to it
+    assert newest_checkpoint(old.parent) == old
+    cfg = load_recipe(None, [f"output_dir={tmp_path / 'runs'}", "name=r", "resume=auto"])
+    assert find_resume(cfg) == old
+    (tmp_path / "runs" / "r" / "20260202-000000").mkdir()  # a newer run without checkpoints
+    assert find_resume(cfg) == old
+    cfg.resume_dir = str(tmp_path / "runs" / "r" / "20260202-000000")
+    assert find_resume(cfg) is None  # auto: nothing there, start fresh
+    cfg.resume = str(tmp_path / "nowhere")
+    with pytest.raises(ShardlightError, match="does not exist"):
+        find_resume(cfg)

@@ -1,0 +1,223 @@
+"""shardlight plan / profile: decision-table cases from HF configs, bad input, recipes, and a real 2-rank
+sweep whose measured local shard bytes must equal the predicted ones (±1%)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from framework.cli import main
+from framework.errors import ShardlightError
+from framework.planner.estimate import GB, parse_memory
+
+REPO = Path(__file__).resolve().parents[1]
+
+LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 64, "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 500000.0}
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
+              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "max_position_embeddings": 32768, "sliding_window": 4096,
+              "tie_word_embeddings": False}
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+def write_config(tmp_path, data, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def plan(tmp_path, capsys, *args):
+    out = tmp_path / "plan.json"
+    code = main(["plan", *args, "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(out.read_text()), captured.out
+
+
+def test_parse_memory():
+    assert parse_memory("80GB") == 80e9
+    assert parse_memory("24GiB") == 24 * 2**30
+    assert parse_memory("141 G") == 141e9
+    assert parse_memory(80) == 80e9
+    for bad in ("eighty", "80XB", "-5GB", "0GB", ""):
+        with pytest.raises(ShardlightError):
+            parse_memory(bad)
+
+
+def test_1b_on_80gb_gpus_is_ddp(tmp_path, capsys):
+    result, text = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, LLAMA_1B), "--gpus-per-node", "8",
+                        "--gpu-memory", "80GB")
+    rec = result["recommendation"]
+    assert rec["sharding_strategy"] == "NO_SHARD" and not rec["activation_checkpointing"] and not rec["cpu_offload"]
+    assert any("DDP" in r for r in rec["reasons"])
+    assert result["model"]["block_class"] == "LlamaDecoderLayer" and result["model"]["num_blocks"] == 16
+    assert 1.2e9 < result["model"]["total_params"] < 1.3e9  # tied embeddings counted once
+    assert {"sharding_strategy", "activation_checkpointing", "cpu_offload", "reasons"} <= set(rec)
+    assert {"nodes", "gpus_per_node", "gpu_memory_bytes"} <= set(result["cluster"])
+    strategies = {r["sharding_strategy"] for r in result["strategies"]}
+    assert strategies == {"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"}  # one node: no HYBRID_SHARD
+    assert "recommendation: NO_SHARD" in text
+
+
+def test_7b_on_8x80gb_shards_optimizer_state_not_weights(tmp_path, capsys):
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, MISTRAL_7B), "--gpus-per-node", "8")
+    rec = result["recommendation"]
+    ddp = next(r for r in result["strategies"] if r["sharding_strategy"] == "NO_SHARD"
+               and not r["activation_checkpointing"])
+    assert not ddp["fits"]  # 7.2B x (4 + 4 + 8) bytes replicated does not fit in 80 GB
+    assert rec["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert any("optimizer state does not fit" in r for r in rec["reasons"])
+    # Sharded state is 1/8 of the replicated one (up to FSDP padding).
+    full = next(r for r in result["strategies"] if r["sharding_strategy"] == "FULL_SHARD"
+                and not r["activation_checkpointing"] and not r["cpu_offload"])
+    assert full["optim_bytes"] == pytest.approx(ddp["optim_bytes"] / 8, rel=1e-4)
+    assert full["comm_bytes_intra"] > next(r for r in result["strategies"] if r["sharding_strategy"] ==
+                                           "SHARD_GRAD_OP")["comm_bytes_intra"]
+
+
+def test_7b_on_24gb_gpus_needs_full_shard(tmp_path, capsys):
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, MISTRAL_7B), "--gpus-per-node", "8",
+                     "--gpu-memory", "24GB", "--interconnect", "pcie")
+    rec = result["recommendation"]
+    assert rec["sharding_strategy"] == "FULL_SHARD" and rec["fits"]
+    assert any("model does not fit unsharded" in r for r in rec["reasons"])
+    assert any(r.startswith("Comm-bound") and "pcie" in r for r in rec["reasons"])
+
+
+@pytest.mark.parametrize("network", ["infiniband", "ethernet"])
+def test_70b_on_4_nodes_one_node_hybrid_cannot_hold_it(tmp_path, capsys, network):
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, LLAMA_70B), "--nodes", "4",
+                     "--gpus-per-node", "8", "--gpu-memory", "80GB", "--interconnect", network,
+                     "--seq-len", "4096", "--micro-batch-size", "2")
+    rec = result["recommendation"]
+    # fp32 shards + AdamW: ~1.1 TB of state, more than one node's 640 GB of GPU memory.
+    one_node = [r for r in result["strategies"] if r["sharding_strategy"] == "HYBRID_SHARD"
+                and r["shard_group_size"] == 8]
+    assert one_node and not any(r["fits"] for r in one_node)
+    assert any("one-node shard group" in r and "cannot hold" in r for r in rec["reasons"])
+    assert rec["fits"] and rec["mesh_shape"] != [4, 8]
+    assert rec["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
+    chosen = next(r for r in result["strategies"] if r["sharding_strategy"] == rec["sharding_strategy"]
+                  and r["activation_checkpointing"] == rec["activation_checkpointing"]
+                  and r["cpu_offload"] == rec["cpu_offload"] and r["mesh_shape"] == rec["mesh_shape"])
+    if network == "ethernet":
+        assert chosen["bound"] == "comm-bound"
+        assert any(r.startswith("Comm-bound") and "ethernet" in r for r in rec["reasons"])
+    else:
+        assert chosen["bound"] == "compute-bound"
+
+
+def test_70b_bf16_weights_on_ethernet_prefers_intra_node_sharding(tmp_path, capsys):
+    """Slow interconnect: keeping all-gathers inside a node beats FULL_SHARD across Ethernet."""
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, LLAMA_70B), "--nodes", "4",
+                     "--interconnect", "ethernet", "--param-dtype", "bfloat16", "--micro-batch-size", "8")
+    rec = result["recommendation"]
+    assert rec["sharding_strategy"] == "HYBRID_SHARD" and rec["mesh_shape"] == [4, 8]
+    assert rec["cpu_offload"]  # 70B bf16 state over 8 GPUs does not fit on them
+    full = [r for r in result["strategies"] if r["sharding_strategy"] == "FULL_SHARD" and r["fits"]]
+    assert full and min(r["step_time_s"] for r in full) > rec["step_time_s"]
+
+
+@pytest.mark.parametrize("recipe,expected", [
+    ("llama-3-8b-sft.yaml", None), ("mistral-7b-sft.yaml", None), ("llama-3-70b-hybrid.yaml", "HYBRID_SHARD")])
+def test_shipped_recipes_plan_offline_and_print_config(tmp_path, capsys, recipe, expected):
+    path = str(REPO / "recipes" / recipe)
+    assert main(["train", path, "--print-config"]) == 0
+    assert "model_type:" in capsys.readouterr().out
+    result, text = plan(tmp_path, capsys, path)
+    assert result["model"]["total_params"] > 7e9 and result["recommendation"]["fits"]
+    if expected:
+        assert result["recommendation"]["sharding_strategy"] == expected
+        assert result["recommendation"]["mesh_shape"] == [2, 16]
+        assert result["cluster"]["nodes"] == 4
+
+
+NOT_CAUSAL = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": 512}
+MASKED = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "intermediate_size": 256}
+
+
+@pytest.mark.parametrize("case", [
+    ("config", NOT_CAUSAL, [], "not a causal language model"),
+    ("config", MASKED, [], "not a causal language model"),
+    ("config", {**LLAMA_1B, "hidden_size": 0}, [], "hidden_size must be a positive integer"),
+    ("config", {**LLAMA_1B, "num_hidden_layers": -2}, [], "num_hidden_layers must be a positive integer"),
+    ("config", LLAMA_1B, ["--nodes", "0"], "--nodes must be positive"),
+    ("config", LLAMA_1B, ["--gpus-per-node", "-8"], "--gpus-per-node must be positive"),
+    ("config", LLAMA_1B, ["--micro-batch-size", "0"], "--micro-batch-size must be positive"),
+    ("config", LLAMA_1B, ["--seq-len", "abc"], "--seq-len must be an integer"),
+    ("config", LLAMA_1B, ["--interconnect", "carrier-pigeon"], "unknown interconnect 'carrier-pigeon'"),
+    ("config", LLAMA_1B, ["--gpu-memory", "eighty gigs"], "GPU memory 'eighty gigs' does not parse"),
+    ("config", LLAMA_1B, ["--gpu-memory=-80GB"], "does not parse"),
+    ("raw", "{not json", [], "not JSON"),
+    ("raw", json.dumps({"hidden_size": 10}), [], "no model_type"),
+    ("missing", None, [], "cannot read"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
+    kind, data, extra, message = case
+    path = tmp_path / "config.json"
+    if kind == "config":
+        path.write_text(json.dumps(data))
+    elif kind == "raw":
+        path.write_text(data)
+    code = main(["plan", "--hf-config", str(path), *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_wandb_profile_table_offline(tmp_path):
+    from framework.planner.report import log_wandb_table
+
+    result = {"recipe": "t", "measured_best": "FULL_SHARD", "plan_prediction": "FULL_SHARD",
+              "runs": {"FULL_SHARD": {"world_size": 2, "measured": {"tokens_per_sec_per_device": 10.0},
+                                      "predicted": {"params_bytes": 1e6}}}}
+    assert log_wandb_table(result, tmp_path, "offline") == "profile/strategies"
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.slow
+def test_profile_two_ranks_shard_bytes_match_plan(tmp_path, cli):
+    """A real sweep on 2 gloo ranks: baseline, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD (each its own process)."""
+    out = tmp_path / "profile"
+    result = cli(["profile", "--out", str(out), "--steps", "6", "logging.wandb.enabled=false"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "measured best:" in result.stdout and "plan predicted:" in result.stdout
+    report = json.loads((out / "profile.json").read_text())
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+        run = report["runs"][strategy]
+        assert run["returncode"] == 0, run.get("error")
+        for key in ("params", "grads", "optim"):
+            measured, predicted = run["measured"][f"{key}_bytes"], run["predicted"][f"{key}_bytes"]
+            assert measured > 0
+            assert predicted == pytest.approx(measured, rel=0.01), (strategy, key, predicted, measured)
+        assert run["measured"]["tokens_per_sec_per_device"] > 0
+        assert run["measured"]["scaling_efficiency"] > 0
+        assert run["measured"]["compute_ms"] > 0 and run["measured"]["comm_total_ms"] > 0
+    full, replicated = report["runs"]["FULL_SHARD"]["measured"], report["runs"]["NO_SHARD"]["measured"]
+    assert full["params_bytes"] == pytest.approx(replicated["params_bytes"] / 2, rel=0.01)
+    baseline = json.loads((out / "baseline.json").read_text())
+    assert baseline["tokens_per_sec_per_device"] > 0
+    text = (out / "profile_report.md").read_text()
+    assert "measured best" in text and "plan's prediction" in text
+    for image in ("comm.png", "memory.png", "throughput.png"):
+        assert (out / image).stat().st_size > 1000 and f"({image})" in text
+    assert report["measured_best"] in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+    assert report["plan_prediction"] in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+
+
+def test_default_recipe_restricted_to_checkpointing_and_no_wrap(tmp_path, capsys):
+    result, text = plan(tmp_path, capsys, "--activation-checkpointing", "on", "--cpu-offload", "off")
+    assert result["strategies"] and all(r["activation_checkpointing"] and not r["cpu_offload"]
+                                        for r in result["strategies"])
+    assert result["recommendation"]["activation_checkpointing"] is True
+    assert result["cluster"]["gpus_per_node"] == 2  # the recipe's trainer.devices
+    wrapped, _ = plan(tmp_path, capsys, "fsdp.auto_wrap_policy=NO_WRAP")
+    full = next(r for r in wrapped["strategies"] if r["sharding_strategy"] == "FULL_SHARD")
+    assert wrapped["model"]["num_units"] == 1
+    assert full["gather_buffer_bytes"] == wrapped["model"]["total_params"] * 4  # the whole model at once
