@@ -26,6 +26,7 @@ class PreemptionCallback(pl.Callback):
     def __init__(self) -> None:
         self.signal_received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self._pending: Optional[tuple] = None
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = signum
@@ -37,16 +38,25 @@ class PreemptionCallback(pl.Callback):
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._pending is not None:
+            self._pending[1].wait()  # every rank started it; finish it before the process group goes
+            self._pending = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
     def _any_rank_signalled(self, trainer: pl.Trainer) -> bool:
-        # Ranks get the signal at slightly different times; all must stop at the same step boundary.
+        """Whether any rank had a signal one step ago. Ranks get the signal at slightly different times
+        and must all stop at the same step boundary, so they agree through an all-reduce; it is started
+        asynchronously and read a step later, so the training loop never waits on it."""
         flag = torch.tensor([1.0 if self.signal_received is not None else 0.0], device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(flag.item())
+        previous, self._pending = self._pending, (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        if previous is None:
+            return False
+        previous[1].wait()
+        return bool(previous[0].item())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
