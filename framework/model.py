@@ -79,6 +79,7 @@ class CausalLMModule(pl.LightningModule):
         self.tokens_seen = 0
         self._val_sums = torch.zeros(2, dtype=torch.float64)
         self._train_window = torch.zeros(3, dtype=torch.float64)
+        self._grad_norm: Optional[torch.Tensor] = None
         self._decay_names: set = set()
 
     def configure_model(self) -> None:
@@ -111,7 +112,6 @@ class CausalLMModule(pl.LightningModule):
         # Summed locally; reduced across ranks once per logging step, not once per micro-batch.
         one = torch.ones((), dtype=torch.float64, device=loss.device)
         self._train_window += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double()])
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -128,6 +128,10 @@ class CausalLMModule(pl.LightningModule):
             # Micro-batch losses averaged over ranks and the window (each micro-batch weighs the same).
             self.log("train/loss", float(totals[0] / totals[1]), prog_bar=True, rank_zero_only=True)
             self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+        # Only on logging steps: Lightning's per-call logging cost is visible on small, fast steps.
+        self.log("lr", trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+        if self._grad_norm is not None:
+            self.log("train/grad_norm", self._grad_norm.float(), rank_zero_only=True)
 
     def on_train_start(self) -> None:
         self._train_window = torch.zeros(3, dtype=torch.float64, device=self.device)
@@ -164,8 +168,7 @@ class CausalLMModule(pl.LightningModule):
             norm = clip(max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
-        self.log("train/grad_norm", norm.detach().float() if torch.is_tensor(norm) else float(norm),
-                 rank_zero_only=True)
+        self._grad_norm = norm.detach() if torch.is_tensor(norm) else torch.tensor(float(norm))
 
     def configure_optimizers(self) -> Dict[str, Any]:
         optim = self.cfg.optim

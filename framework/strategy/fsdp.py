@@ -34,9 +34,19 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class DeviceAutocastFSDPPrecision(FSDPPrecision):
-    """Lightning's FSDP precision, but autocasting on the device we run on (it hard-codes CUDA)."""
+    """Lightning's FSDP precision, autocasting on the device we run on (it hard-codes CUDA), and without a
+    MixedPrecision policy for plain fp32."""
 
     device_type = "cuda"
+
+    @property
+    @override
+    def mixed_precision_config(self):
+        # Lightning hands FSDP an all-fp32 MixedPrecision for 32-true, which makes FSDP1 keep and refresh a
+        # second ("low precision") copy of every shard each step for nothing: no policy is the fp32 path.
+        if self.precision in ("32-true", "32"):
+            return None
+        return super().mixed_precision_config
 
     @override
     def forward_context(self):
