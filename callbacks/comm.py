@@ -24,6 +24,7 @@ training goes on. Every rank joins the result gather at the same, precomputed st
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -212,6 +213,11 @@ class CommTimeCallback(Callback):
 
     def _analyse(self, window: Dict[str, Any], prof: Any) -> None:
         """Export and analyse this rank's trace (in a background thread: it overlaps the next steps)."""
+        try:
+            # Lowest priority for this thread only (Linux): on a busy host it must yield to training.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         try:
             from framework.trace import analyze_trace_file
 
