@@ -42,6 +42,11 @@ def preflight(cfg: RecipeConfig):
     resolved = resolve_recipe_fsdp(cfg)
     if cfg.trainer.precision.startswith("16") and not _uses_gpu(cfg):
         raise ShardlightError(f"trainer.precision {cfg.trainer.precision} needs a GPU; use bf16-mixed on CPU")
+    if resolved.sync_module_states and not _uses_gpu(cfg):
+        raise ShardlightError(
+            "fsdp.sync_module_states / cpu_ram_efficient_loading need GPUs: FSDP broadcasts module states from "
+            "GPU memory only (Accelerate refuses them on CPU too)"
+        )
     if resolved.cpu_ram_efficient_loading and (resolved.version == 2 or cfg.model.name_or_path is None):
         raise ShardlightError(
             "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"

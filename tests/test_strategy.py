@@ -247,6 +247,7 @@ BAD_FSDP = [
     (["fsdp.mesh_shape=[1,2]"], "mesh_shape only applies to hybrid sharding"),
     (["fsdp.transformer_cls_names_to_wrap=[Block]"], "Block not found in the model; module classes present"),
     (["trainer.precision=16-mixed"], "needs a GPU; use bf16-mixed on CPU"),
+    (["fsdp.sync_module_states=true"], "need GPUs: FSDP broadcasts module states from GPU memory only"),
 ]
 
 
@@ -268,3 +269,12 @@ def test_bad_accelerate_config(tmp_path):
     path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n")
     result = run_cli(["train", "--accelerate-config", str(path), "--print-config"])
     assert result.returncode == 2 and "did you mean 'fsdp_sharding_strategy'" in result.stderr
+
+
+@pytest.mark.slow
+def test_bf16_mixed_autocasts_on_cpu(tiny_setup, tmp_path):
+    root, recipe = tiny_setup
+    # Lightning's stock plugin autocasts on CUDA even on CPU (and warns); here it autocasts on the CPU.
+    mixed, _, output = run_worker(recipe, tmp_path / "bf16", ["trainer.precision=bf16-mixed"])
+    assert mixed["steps"] == STEPS
+    assert "CUDA is not available" not in output and "device_type of 'cuda'" not in output
