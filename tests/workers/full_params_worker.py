@@ -84,6 +84,9 @@ def main(rank, world, out):
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
+    # Both ranks finish every collective before either tears gloo down (a rank exiting mid-teardown
+    # aborted the other's gloo threads: "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
