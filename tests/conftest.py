@@ -44,3 +44,17 @@ def forbid_training(monkeypatch):
         raise AssertionError("bad input reached the Trainer")
 
     monkeypatch.setattr(framework.train, "build_trainer", refuse)
+
+
+def save_tiny_llama(path):
+    """A saved tiny Llama (the shipped tokenizer's vocabulary), so every run and its single-process
+    reference start from the same weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path

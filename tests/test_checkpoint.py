@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, forbid_training, run_cli
+from conftest import save_tiny_llama, REPO, forbid_training, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,8 @@ FAST = ["callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callb
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A saved tiny Llama and a recipe whose epoch is 4 optimizer steps (so 10 steps cross two epochs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(root / "init")
+    save_tiny_llama(root / "init")
     rows = TRAIN_DATA.read_text().splitlines()[:30]
     (root / "train.jsonl").write_text("\n".join(rows) + "\n")
     recipe = root / "tiny.yaml"

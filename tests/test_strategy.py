@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import forbid_training, REPO, run_cli
+from conftest import save_tiny_llama, forbid_training, REPO, run_cli
 from framework.cli import main
 
 WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
@@ -25,14 +25,8 @@ STEPS, MICRO_BATCH, SEQ_LEN = 3, 2, 32
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A saved tiny Llama (so every run and the reference start from the same weights) and its recipe."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("strategy")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(root / "init")
+    save_tiny_llama(root / "init")
     recipe = root / "tiny.yaml"
     recipe.write_text(textwrap.dedent(f"""
         model: {{name_or_path: {root / 'init'}}}
