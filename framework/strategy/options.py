@@ -74,6 +74,16 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
                 "fsdp.forward_prefetch is not yet implemented in FSDP2, set to None or use `fsdp_version=1`"
             )
     strategy = fsdp.sharding_strategy
+    # What both versions hand the plugin alike.
+    shared = dict(
+        auto_wrap_policy=fsdp.auto_wrap_policy,
+        transformer_cls_names_to_wrap=fsdp.transformer_cls_names_to_wrap,
+        min_num_params=fsdp.min_num_params,
+        cpu_offload=fsdp.cpu_offload,
+        state_dict_type=fsdp.state_dict_type,
+        activation_checkpointing=fsdp.activation_checkpointing,
+        mixed_precision_policy=fsdp.mixed_precision if fsdp.mixed_precision not in (None, "no") else None,
+    )
     if version == 1:
         if strategy is None:
             strategy = fsdp.reshard_after_forward if isinstance(fsdp.reshard_after_forward, str) else "FULL_SHARD"
@@ -82,17 +92,11 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
             reshard_after_forward=str(strategy),
             backward_prefetch=fsdp.backward_prefetch or "BACKWARD_PRE",
             forward_prefetch=bool(fsdp.forward_prefetch),
-            auto_wrap_policy=fsdp.auto_wrap_policy,
-            transformer_cls_names_to_wrap=fsdp.transformer_cls_names_to_wrap,
-            min_num_params=fsdp.min_num_params,
-            cpu_offload=fsdp.cpu_offload,
-            state_dict_type=fsdp.state_dict_type,
             limit_all_gathers=fsdp.limit_all_gathers,
             use_orig_params=True if fsdp.use_orig_params is None else fsdp.use_orig_params,
             # Checked by us: the plugin probes for a GPU when these are on ("no available devices").
             sync_module_states=False,
-            activation_checkpointing=fsdp.activation_checkpointing,
-            mixed_precision_policy=fsdp.mixed_precision if fsdp.mixed_precision not in (None, "no") else None,
+            **shared,
         )
         strategy = plugin.reshard_after_forward.name
         reshard, hybrid = _FSDP2_EQUIVALENT[strategy][0], "HYBRID" in strategy
@@ -106,13 +110,7 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
         plugin = _plugin(
             fsdp_version=2,
             reshard_after_forward=str(reshard).lower() if not isinstance(reshard, bool) else reshard,
-            auto_wrap_policy=fsdp.auto_wrap_policy,
-            transformer_cls_names_to_wrap=fsdp.transformer_cls_names_to_wrap,
-            min_num_params=fsdp.min_num_params,
-            cpu_offload=fsdp.cpu_offload,
-            state_dict_type=fsdp.state_dict_type,
-            activation_checkpointing=fsdp.activation_checkpointing,
-            mixed_precision_policy=fsdp.mixed_precision if fsdp.mixed_precision not in (None, "no") else None,
+            **shared,
         )
         reshard = bool(plugin.reshard_after_forward)
         if strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"):
