@@ -33,4 +33,4 @@ clean:
 
 # Regenerate the README's recipe reference table from the schema.
 docs: setup
-	$(BIN)/python -m framework.config --update-readme README.md
+	$(BIN)/python -m shardlight.recipe.docs --update-readme README.md

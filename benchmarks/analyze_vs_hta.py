@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from framework.trace import analyze_traces  # noqa: E402
+from shardlight.trace import analyze_traces  # noqa: E402
 
 HTA_REQUIREMENTS = [
     # HTA's declared requirements pull in jupyterlab; these are the ones its analysis imports.

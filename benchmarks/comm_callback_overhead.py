@@ -114,8 +114,9 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
     args = parser.parse_args(argv)
 
-    import framework.train as train_mod
-    from framework.config import load_recipe
+    import shardlight.train as train_mod
+    from shardlight.recipe import load_recipe
+    from shardlight.runtime import RunContext
 
     out = Path(os.environ.get("SHARDLIGHT_BENCH_DIR") or tempfile.mkdtemp(prefix="comm_overhead_"))
     os.environ["SHARDLIGHT_BENCH_DIR"] = str(out)  # the rank processes Lightning starts inherit it
@@ -127,12 +128,13 @@ def main(argv=None) -> int:
 
     build = train_mod.build_callbacks
 
-    def with_timer(cfg_, run_dir):
-        return build(cfg_, run_dir) + [StepTimer(Path(run_dir))]
+    def with_timer(cfg_, ctx_):
+        return build(cfg_, ctx_) + [StepTimer(Path(ctx_.run_dir))]
 
     train_mod.build_callbacks = with_timer
-    summary = train_mod.train(cfg)
-    if train_mod.global_rank() != 0:
+    ctx = RunContext.from_env()
+    summary = train_mod.train(ctx, cfg)
+    if ctx.rank != 0:
         return 0
     run_dir = Path(summary["run_dir"])
     times = {int(k): v for k, v in json.loads((run_dir / TIMES_FILE.format(rank=0)).read_text()).items()}
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     length = comm.wait + comm.warmup + comm.active
     windows = sorted({s for s in range(1, args.steps) if (s % comm.every_n_steps == 0 or s == comm.first_step)
                       and s + length <= args.steps})
-    from callbacks.comm import CommTimeCallback
+    from shardlight.callbacks.comm import CommTimeCallback
 
     delay = CommTimeCallback(run_dir).gather_delay
     result = overhead(times, windows, length + delay, comm.every_n_steps, comm.first_step)

@@ -41,8 +41,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, ".")
-from framework.trace import analyze_trace_file
-from framework.trace import classify
+from shardlight.trace import analyze_trace_file
+from shardlight.trace import classify
 
 out = Path(sys.argv[1])
 summary = json.loads((out / "summary.json").read_text())

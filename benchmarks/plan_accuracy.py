@@ -28,8 +28,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from framework.planner.estimate import Workload, activation_bytes, estimate, make_cluster  # noqa: E402
-from framework.planner.model_spec import model_spec  # noqa: E402
+from shardlight.planner.estimate import Workload, activation_bytes, estimate, make_cluster  # noqa: E402
+from shardlight.planner.model_spec import model_spec  # noqa: E402
 
 SHAPES = [
     {"name": "h256-L4-v8k-s256-b4", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,

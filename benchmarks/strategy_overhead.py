@@ -30,10 +30,11 @@ OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0", "train
 def shardlight_worker(out: Path) -> None:
     import lightning.pytorch as pl
 
-    from framework.config import load_recipe
-    from framework.data import SFTDataModule
-    from framework.model import CausalLMModule
-    from framework.train import build_trainer, preflight, resolve_run_dir
+    from shardlight.recipe import load_recipe
+    from shardlight.data import SFTDataModule
+    from shardlight.model import CausalLMModule
+    from shardlight.runtime import RunContext
+    from shardlight.train import build_trainer, preflight, resolve_run_dir
 
     class StepTimer(pl.Callback):
         def __init__(self):
@@ -48,7 +49,10 @@ def shardlight_worker(out: Path) -> None:
     cfg = load_recipe(None, OVERRIDES + [f"output_dir={out}"])
     tokenizer = preflight(cfg)
     pl.seed_everything(cfg.trainer.seed, verbose=False)
-    trainer = build_trainer(cfg, resolve_run_dir(cfg))
+    ctx = RunContext.from_env()
+    ctx = ctx.replace(run_dir=resolve_run_dir(ctx, cfg))
+    ctx.export()
+    trainer = build_trainer(cfg, ctx)
     timer = StepTimer()
     trainer.callbacks.append(timer)
     trainer.fit(CausalLMModule(cfg), datamodule=SFTDataModule(cfg, tokenizer))
@@ -64,8 +68,8 @@ def raw_rank(rank: int, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from framework.config import load_recipe
-    from framework.data import SFTDataModule, build_tokenizer
+    from shardlight.recipe import load_recipe
+    from shardlight.data import SFTDataModule, build_tokenizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo")

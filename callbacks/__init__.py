@@ -13,8 +13,8 @@ from typing import Any, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import RankTable, log_table
-from callbacks.wandb_logger import SafeWandbLogger, build_wandb_logger
+from shardlight.callbacks._common import RankTable, log_table
+from shardlight.callbacks.wandb_logger import SafeWandbLogger, build_wandb_logger
 
 RANK_TABLE_KEY = "ranks/table"
 RANK_TABLE_CSV = "ranks.csv"
@@ -36,7 +36,7 @@ class RankTableCallback(Callback):
 
 
 def _positive(name: str, value: Optional[int], allow_none: bool = False) -> None:
-    from framework.errors import ShardlightError
+    from shardlight.errors import ShardlightError
 
     if value is None and allow_none:
         return
@@ -46,9 +46,9 @@ def _positive(name: str, value: Optional[int], allow_none: bool = False) -> None
 
 def build_callbacks(cfg: Any, run_dir: Any) -> List[Any]:
     """The callbacks the recipe enables (comm, memory, throughput) and the per-rank end table."""
-    from callbacks.comm import CommTimeCallback
-    from callbacks.memory import MemoryHeadroomCallback
-    from callbacks.throughput import ThroughputCallback
+    from shardlight.callbacks.comm import CommTimeCallback
+    from shardlight.callbacks.memory import MemoryHeadroomCallback
+    from shardlight.callbacks.throughput import ThroughputCallback
 
     section = getattr(cfg, "callbacks", None)
     if section is None:
@@ -61,7 +61,7 @@ def build_callbacks(cfg: Any, run_dir: Any) -> List[Any]:
         _positive("callbacks.comm.every_n_steps", comm.every_n_steps)
         _positive("callbacks.comm.active", comm.active)
         if comm.wait < 0 or comm.warmup < 0:
-            from framework.errors import ShardlightError
+            from shardlight.errors import ShardlightError
 
             raise ShardlightError("callbacks.comm.wait and callbacks.comm.warmup must not be negative")
         callbacks.append(CommTimeCallback(

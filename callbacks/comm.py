@@ -3,7 +3,7 @@
 Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
 ``torch.profiler`` window (schedule wait/warmup/active), exports its trace to
 ``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` and analyses it with the trace analyzer
-(:mod:`framework.trace`, the same code as ``shardlight analyze``): NCCL kernels on GPU, gloo work on CPU.
+(:mod:`shardlight.trace`, the same code as ``shardlight analyze``): NCCL kernels on GPU, gloo work on CPU.
 The per-rank results are gathered to rank 0, which logs per step of the window (ms per step):
 
 * aggregated (mean over ranks): ``comm/all_gather_ms``, ``comm/reduce_scatter_ms``, ``comm/all_reduce_ms``,
@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import (
+from shardlight.callbacks._common import (
     RankTable,
     aggregate,
     define_wandb_group,
@@ -219,7 +219,7 @@ class CommTimeCallback(Callback):
         except (AttributeError, OSError):
             pass
         try:
-            from framework.trace import analyze_trace_file
+            from shardlight.trace import analyze_trace_file
 
             prof.export_chrome_trace(str(window["file"]))
             result = analyze_trace_file(window["file"])

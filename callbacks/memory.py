@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import (
+from shardlight.callbacks._common import (
     GB,
     RankTable,
     aggregate,

@@ -1,5 +1,5 @@
 """Preemption-safe stopping: on SIGUSR1 (Slurm, 90 s before the time limit) or SIGTERM, checkpoint at the
-next step boundary on all ranks, requeue the Slurm job from rank 0, and exit cleanly.
+next step boundary on all ranks, requeue the job from rank 0 (through its launcher), and exit cleanly.
 
 The signal handler only sets a flag. Saving inside the handler (as Lightning's own SLURM requeue does)
 runs collectives from whatever frame the signal interrupted and hangs intermittently (Lightning #21406).
@@ -7,23 +7,29 @@ runs collectives from whatever frame the signal interrupted and hangs intermitte
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class PreemptionCallback(pl.Callback):
-    """Set ``trainer.shardlight_preempted`` after saving; train.py then skips final validation/export."""
+    """Set ``trainer.shardlight_preempted`` after saving; train.py then skips final validation/export.
 
-    def __init__(self) -> None:
+    Arguments:
+        requeue: puts the job back in the queue and says what happened (the launcher's ``requeue``);
+            called on rank 0 after the checkpoint is complete.
+        save_checkpoint: ``(trainer, module) -> path``: the checkpoint callback's save, or None.
+    """
+
+    def __init__(self, requeue: Callable[[], str], save_checkpoint: Optional[Callable[..., Any]] = None) -> None:
+        self._requeue = requeue
+        self._save_checkpoint = save_checkpoint
         self.signal_received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._pending: Optional[tuple] = None
@@ -64,24 +70,10 @@ class PreemptionCallback(pl.Callback):
             return  # not a step boundary: gradients are half accumulated
         if not self._any_rank_signalled(trainer):
             return
-        from framework.checkpoint import find_callback
-
-        checkpoint = find_callback(trainer)
-        path = checkpoint.save(trainer, pl_module) if checkpoint is not None else None
+        path = self._save_checkpoint(trainer, pl_module) if self._save_checkpoint is not None else None
         rank_zero_info(f"preempted at step {trainer.global_step}: checkpoint {path}")
         if trainer.is_global_zero:
-            requeue()
+            rank_zero_info(self._requeue())
         trainer.shardlight_preempted = True
         trainer.should_stop = True
 
-
-def requeue() -> None:
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        rank_zero_warn("preempted outside Slurm: checkpoint saved, nothing to requeue")
-        return
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    if result.returncode != 0:
-        rank_zero_warn(f"scontrol requeue {job} failed: {result.stderr.strip()}")
-    else:
-        rank_zero_info(f"requeued Slurm job {job}")

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import define_wandb_group, log_metrics, warn
+from shardlight.callbacks._common import define_wandb_group, log_metrics, warn
 
 # Dense (no sparsity) peak TFLOP/s per device, from NVIDIA's datasheets. Longest matching name wins.
 PEAK_TFLOPS: Dict[str, Dict[str, float]] = {

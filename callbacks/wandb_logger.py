@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.logger import DummyExperiment, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from callbacks._common import warn
+from shardlight.callbacks._common import warn
 
 
 class SafeWandbLogger(WandbLogger):

@@ -33,12 +33,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from framework.checkpoint_store import (  # noqa: F401  (re-exported: the checkpoint API lives here)
+from shardlight.checkpoint_store import (  # noqa: F401  (re-exported: the checkpoint API lives here)
     CHECKPOINTS,
     HF_DIR,
     LATEST,
     META,
-    RESUME_ENV,
     checkpoint_in,
     complete_checkpoints,
     describe_file,
@@ -48,10 +47,10 @@ from framework.checkpoint_store import (  # noqa: F401  (re-exported: the checkp
     resolve_resume,
     verify_checkpoint,
 )
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
+from shardlight.runtime import RunContext
 
 # Test hook: SIGKILL rank 0 after the shards of this step are written, before the rename.
-FAULT_KILL_IN_SAVE_ENV = "SHARDLIGHT_FAULT_KILL_IN_SAVE_STEP"
 
 
 # ---------------------------------------------------------------- data position
@@ -154,12 +153,14 @@ class CheckpointCallback(Callback):
     """
 
     def __init__(self, run_dir: Path, every_n_steps: Optional[int], keep_last: Optional[int],
-                 save_last: bool = True, resume_from: Optional[Path] = None) -> None:
+                 save_last: bool = True, resume_from: Optional[Path] = None,
+                 fault_kill_in_save_step: Optional[int] = None) -> None:
         self.root = Path(run_dir) / CHECKPOINTS
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.save_last = save_last
         self.resume_from = Path(resume_from) if resume_from else None
+        self.fault_kill_in_save_step = fault_kill_in_save_step  # tests: die mid-save at this step
         self.last_saved_step: Optional[int] = None
         self.last_saved: Optional[Path] = None
         self._rng_to_restore: Optional[Dict[str, Any]] = None
@@ -238,7 +239,7 @@ class CheckpointCallback(Callback):
             meta = {"format": "shardlight-dcp-1", "step": step, "world_size": trainer.world_size,
                     "fsdp_version": getattr(getattr(trainer.strategy, "resolved", None), "version", None),
                     "epoch": extra["epoch"], "batch_in_epoch": extra["batch_in_epoch"], "files": files}
-            if os.environ.get(FAULT_KILL_IN_SAVE_ENV) == str(step):
+            if self.fault_kill_in_save_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
@@ -278,7 +279,7 @@ class CheckpointCallback(Callback):
 
     # -- resume
     def on_fit_start(self, trainer, pl_module) -> None:
-        from framework.export import register_fsdp_root
+        from shardlight.export import register_fsdp_root
 
         register_fsdp_root(trainer.strategy.model)  # lets full_params(pl_module.model) find the FSDP1 root
         if self.resume_from is None:
@@ -348,13 +349,14 @@ def load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer]
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def build_checkpoint_callback(cfg: Any, run_dir: Path) -> Optional[CheckpointCallback]:
-    ck = cfg.checkpoint
-    resume = os.environ.get(RESUME_ENV) or None
+def build_checkpoint_callback(cfg: Any, ctx: RunContext) -> Optional[CheckpointCallback]:
+    ck, resume, kill = cfg.checkpoint, ctx.resume_from, ctx.fault_kill_in_save_step
     if not ck.enabled:
         # Resuming still works with saving turned off.
-        return CheckpointCallback(run_dir, None, None, save_last=False, resume_from=resume) if resume else None
-    return CheckpointCallback(run_dir, ck.every_n_steps, ck.keep_last, save_last=ck.save_last, resume_from=resume)
+        return CheckpointCallback(ctx.run_dir, None, None, save_last=False, resume_from=resume,
+                                  fault_kill_in_save_step=kill) if resume else None
+    return CheckpointCallback(ctx.run_dir, ck.every_n_steps, ck.keep_last, save_last=ck.save_last,
+                              resume_from=resume, fault_kill_in_save_step=kill)
 
 
 def find_callback(trainer: Any) -> Optional[CheckpointCallback]:

@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 META = "shardlight.json"
 HF_DIR = "hf"
-RESUME_ENV = "SHARDLIGHT_RESUME_FROM"
 
 
 def _step_of(path: Path) -> int:
@@ -154,19 +153,13 @@ def read_dcp_metadata(path: Path) -> _DcpMetadata:
         raise ShardlightError(f"corrupt checkpoint file {Path(path) / '.metadata'}: {type(exc).__name__}") from None
 
 
-def resolve_resume(cfg: Any, run_dir: Path) -> Optional[Path]:
-    """The checkpoint this run resumes from, decided once by the launching process; ranks inherit it."""
+def resolve_resume(cfg: Any) -> Optional[Path]:
+    """The checkpoint this run resumes from (None: a fresh start). Decided once, by the launching process;
+    its ranks inherit the decision through ``RunContext``."""
     if cfg.export and not cfg.checkpoint.enabled:
         raise ShardlightError("export: true exports the final checkpoint; it needs checkpoint.enabled: true")
-    from framework.train import is_launched_rank
-
-    # Only ranks started by the launcher inherit the decision; a launching process always decides afresh.
-    if RESUME_ENV in os.environ and is_launched_rank():
-        chosen = os.environ[RESUME_ENV]
-        return Path(chosen) if chosen else None
     # The run dir itself is searched too: a requeued job (same slurm-<id> dir) resumes from its own checkpoints.
     found = find_resume(cfg)
     if str(cfg.resume) == "auto" and found is None:
         print("shardlight: resume=auto found no complete checkpoint; starting fresh", file=sys.stderr)
-    os.environ[RESUME_ENV] = str(found) if found else ""
     return found

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from framework.config import DataConfig, RecipeConfig
-from framework.errors import ShardlightError
+from shardlight.recipe import DataConfig, RecipeConfig
+from shardlight.errors import ShardlightError
 
 log = logging.getLogger(__name__)
 
@@ -452,7 +452,7 @@ class SFTDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.cfg.data.num_workers
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed) if train else None
-        from framework.checkpoint import ResumableDataLoader  # training resumes mid-epoch from a checkpoint
+        from shardlight.checkpoint import ResumableDataLoader  # training resumes mid-epoch from a checkpoint
 
         loader_cls = ResumableDataLoader if train else DataLoader
         return loader_cls(dataset, batch_size=self.cfg.trainer.micro_batch_size, shuffle=train,

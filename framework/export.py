@@ -19,14 +19,14 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from framework.checkpoint_store import (
+from shardlight.checkpoint_store import (
     HF_DIR,
     checkpoint_in,
     read_dcp_metadata,
     verify_checkpoint,
     verify_metadata_file,
 )
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
 
 # The LightningModule's HF model is ``model`` and DCP nests the module state under ``model``.
 WEIGHT_PREFIX = "model.model."

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from framework.config import ModelConfig, OptimConfig, RecipeConfig
-from framework.errors import ShardlightError
+from shardlight.recipe import ModelConfig, OptimConfig, RecipeConfig
+from shardlight.errors import ShardlightError
 
 IGNORE_INDEX = -100
 

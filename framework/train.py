@@ -16,17 +16,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from framework.config import RecipeConfig, to_dict, to_yaml
-from framework.errors import ShardlightError
-
-RUN_DIR_ENV = "SHARDLIGHT_RUN_DIR"
-
+from shardlight.recipe import RecipeConfig, to_dict, to_yaml
+from shardlight.errors import ShardlightError
+from shardlight.launch import launcher_named
+from shardlight.runtime import RunContext
 
 def preflight(cfg: RecipeConfig):
     """Everything that can be checked without training: bad input fails here with one clear line."""
-    from framework.data import build_tokenizer, check_data
-    from framework.model import build_hf_config
-    from framework.strategy import find_block_classes, resolve_recipe_fsdp
+    from shardlight.data import build_tokenizer, check_data
+    from shardlight.model import build_hf_config
+    from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 
     check_data(cfg)
     tokenizer = build_tokenizer(cfg)
@@ -67,33 +66,12 @@ def _uses_gpu(cfg: RecipeConfig) -> bool:
     return cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
 
 
-def is_launched_rank() -> bool:
-    """True in a process started by a launcher (Lightning's subprocess launcher, torchrun, srun)."""
-    return any(k in os.environ for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")) or (
-        "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ
-    )
-
-
-def global_rank() -> int:
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
-def resolve_run_dir(cfg: RecipeConfig) -> Path:
-    """All ranks must agree on one run dir: the launching process fixes it and children inherit it."""
-    if os.environ.get(RUN_DIR_ENV):
-        return Path(os.environ[RUN_DIR_ENV])
-    root = Path(cfg.output_dir).resolve() / cfg.name
-    if "SLURM_JOB_ID" in os.environ:
-        run_dir = root / f"slurm-{os.environ['SLURM_JOB_ID']}"
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        run_dir = root / f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
-    else:
-        run_dir = root / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    os.environ[RUN_DIR_ENV] = str(run_dir)
-    return run_dir
+def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
+    """All ranks must agree on one run dir: the launching process (or an sbatch script) fixes it, the ranks
+    inherit it through ``RunContext``; the launcher names it."""
+    if ctx.run_dir is not None:
+        return ctx.run_dir
+    return Path(cfg.output_dir).resolve() / cfg.name / launcher_named(ctx.launcher).run_dir_name(os.environ)
 
 
 def wandb_mode(cfg: RecipeConfig) -> str:
@@ -130,9 +108,9 @@ def _appending_csv_logger(run_dir: Path):
     return AppendingCSVLogger(save_dir=str(run_dir), name="csv", version="")
 
 
-def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
-
-    from callbacks import build_wandb_logger
+def build_loggers(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
+    run_dir = ctx.run_dir
+    from shardlight.callbacks import build_wandb_logger
 
     loggers: List[Any] = []
     if cfg.logging.csv:
@@ -150,31 +128,33 @@ def build_loggers(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
             mode=wandb_mode(cfg),
             config=to_dict(cfg),
             # A requeued Slurm job keeps its id (set in the sbatch script), so it continues the same W&B run.
-            **({"id": os.environ["SHARDLIGHT_WANDB_RUN_ID"], "resume": "allow"}
-               if os.environ.get("SHARDLIGHT_WANDB_RUN_ID") else {}),
+            **({"id": ctx.wandb_run_id, "resume": "allow"} if ctx.wandb_run_id else {}),
         )
         if logger is not None:
             loggers.append(logger)
     return loggers
 
 
-def build_callbacks(cfg: RecipeConfig, run_dir: Path) -> List[Any]:
-    from callbacks import build_callbacks as build
-    from framework.checkpoint import build_checkpoint_callback
+def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
+    from shardlight.callbacks import build_callbacks as build
+    from shardlight.checkpoint import build_checkpoint_callback
 
-    callbacks = build(cfg, run_dir)
-    checkpoint = build_checkpoint_callback(cfg, run_dir)  # sharded checkpoints and resume
-    if "SLURM_JOB_ID" in os.environ:
-        from callbacks.preemption import PreemptionCallback
+    callbacks = build(cfg, ctx.run_dir)
+    checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
+    if ctx.launcher == "slurm":
+        from shardlight.callbacks.preemption import PreemptionCallback
 
-        callbacks.append(PreemptionCallback())  # SIGUSR1/SIGTERM: checkpoint, requeue, exit
+        launcher = launcher_named(ctx.launcher)
+        # SIGUSR1/SIGTERM: checkpoint, requeue, exit
+        callbacks.append(PreemptionCallback(requeue=lambda: launcher.requeue(ctx.job_id),
+                                            save_checkpoint=checkpoint.save if checkpoint is not None else None))
     return callbacks + ([checkpoint] if checkpoint is not None else [])
 
 
 def build_strategy(cfg: RecipeConfig):
     from datetime import timedelta
 
-    from framework.strategy import ShardlightFSDPStrategy
+    from shardlight.strategy import ShardlightFSDPStrategy
 
     t = cfg.trainer
     return ShardlightFSDPStrategy(
@@ -183,7 +163,7 @@ def build_strategy(cfg: RecipeConfig):
     )
 
 
-def build_trainer(cfg: RecipeConfig, run_dir: Path):
+def build_trainer(cfg: RecipeConfig, ctx: RunContext):
     import lightning.pytorch as pl
 
     t = cfg.trainer
@@ -209,9 +189,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path):
         enable_checkpointing=False,
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
-        logger=build_loggers(cfg, run_dir),
-        callbacks=build_callbacks(cfg, run_dir),
-        default_root_dir=str(run_dir),
+        logger=build_loggers(cfg, ctx),
+        callbacks=build_callbacks(cfg, ctx),
+        default_root_dir=str(ctx.run_dir),
         use_distributed_sampler=True,
     )
 
@@ -220,7 +200,7 @@ def save_hf_model(trainer, module, tokenizer, model_dir: Path) -> None:
     """Gather the full weights onto rank 0 and write ``save_pretrained`` safetensors + tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from framework.model import clean_param_name
+    from shardlight.model import clean_param_name
 
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else None
     if not trainer.is_global_zero:
@@ -279,41 +259,43 @@ def _quiet_known_noise() -> None:
 
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
     """The last checkpoint and, with ``export: true``, its verified Hugging Face export (rank 0)."""
-    from framework.checkpoint import find_callback
+    from shardlight.checkpoint import find_callback
 
     callback = find_callback(trainer)
     saved = callback.last_saved if callback is not None else None
     out: Dict[str, Any] = {"checkpoint": str(saved) if saved else None}
     if cfg.export and saved is not None and trainer.is_global_zero:
-        from framework.export import export_checkpoint
+        from shardlight.export import export_checkpoint
 
         report = export_checkpoint(saved, run_dir / "export")
         out.update(export_dir=report["out"], checkpoint_export_max_abs_diff=report["max_abs_diff"])
     return out
 
 
-def train(cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
+def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
-    from framework.data import SFTDataModule
-    from framework.model import CausalLMModule
+    from shardlight.data import SFTDataModule
+    from shardlight.model import CausalLMModule
 
     started = time.time()
     _quiet_known_noise()
     tokenizer = preflight(cfg)
-    run_dir = resolve_run_dir(cfg)
-    from framework.checkpoint import resolve_resume
+    run_dir = resolve_run_dir(ctx, cfg)
+    from shardlight.checkpoint import resolve_resume
 
-    resolve_resume(cfg, run_dir)  # before anything is written: a bad checkpoint is one clear error
-    rank = global_rank()
-    if rank == 0:
+    if not ctx.resume_decided:  # before anything is written: a bad checkpoint is one clear error
+        ctx = ctx.replace(resume_from=resolve_resume(cfg), resume_decided=True)
+    ctx = ctx.replace(run_dir=run_dir)
+    ctx.export()  # the ranks Lightning is about to spawn inherit the run dir and the resume decision
+    if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(to_yaml(cfg))
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CausalLMModule(cfg)
     datamodule = SFTDataModule(cfg, tokenizer)
-    trainer = build_trainer(cfg, run_dir)
+    trainer = build_trainer(cfg, ctx)
     trainer.fit(module, datamodule=datamodule)
     if getattr(trainer, "shardlight_preempted", False):
         # Checkpointed and requeued: leave quickly and cleanly; the requeued job resumes and finishes.

@@ -6,8 +6,9 @@ import os
 import subprocess
 from typing import List, Optional
 
-from framework.errors import ShardlightError
-from launch.slurm import _train_command
+from shardlight.errors import ShardlightError
+from shardlight.launch.base import without_run_env
+from shardlight.launch.slurm import train_command
 
 
 def launch_local(recipe: Optional[str], overrides: List[str], nproc: int) -> int:
@@ -17,7 +18,7 @@ def launch_local(recipe: Optional[str], overrides: List[str], nproc: int) -> int
         key, _, value = item.partition("=")
         if key == "trainer.devices" and value != str(nproc):
             raise ShardlightError(f"trainer.devices={value} disagrees with --nproc {nproc}")
-    command = _train_command() + ["train"] + ([recipe] if recipe else []) + list(overrides) + [
+    command = train_command() + ["train"] + ([recipe] if recipe else []) + list(overrides) + [
         f"trainer.devices={nproc}", "trainer.num_nodes=1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SHARDLIGHT_RUN_DIR")}
-    return subprocess.call(command, env=env)
+    # A fresh run of its own: nothing of a surrounding run (its dir, its rank) may leak into it.
+    return subprocess.call(command, env=without_run_env(os.environ))

@@ -18,14 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def run_cli(args, cwd=None, timeout=600, env=None):
-    """Run ``python -m framework.cli ARGS`` in a fresh process (each Lightning fit gets its own)."""
+    """Run ``python -m shardlight.cli ARGS`` in a fresh process (each Lightning fit gets its own)."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.pop("LOCAL_RANK", None)
     full_env.pop("SHARDLIGHT_RUN_DIR", None)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "framework.cli", *args],
+        [sys.executable, "-m", "shardlight.cli", *args],
         cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -38,12 +38,12 @@ def cli():
 def forbid_training(monkeypatch):
     """Bad-input tests call the CLI in-process; if validation ever let a case through, Lightning would
     re-launch pytest itself as rank 1. Fail at the Trainer instead."""
-    import framework.train
+    import shardlight.train
 
     def refuse(*args, **kwargs):
         raise AssertionError("bad input reached the Trainer")
 
-    monkeypatch.setattr(framework.train, "build_trainer", refuse)
+    monkeypatch.setattr(shardlight.train, "build_trainer", refuse)
 
 
 def save_tiny_llama(path):

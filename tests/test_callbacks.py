@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks._common import aggregate, per_rank_key, storage_bytes
-from callbacks.comm import CommTimeCallback, window_metrics
-from callbacks.throughput import lookup_peak_tflops, read_baseline
+from shardlight.callbacks._common import aggregate, per_rank_key, storage_bytes
+from shardlight.callbacks.comm import CommTimeCallback, window_metrics
+from shardlight.callbacks.throughput import lookup_peak_tflops, read_baseline
 
 COMM_KEYS = ["comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
              "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms",
@@ -88,8 +88,8 @@ def values(rows: list, key: str) -> list:
 
 def model_param_bytes() -> int:
     """Total parameter bytes of the default recipe's model, counted from the model itself."""
-    from framework.config import load_recipe
-    from framework.model import build_hf_model
+    from shardlight.recipe import load_recipe
+    from shardlight.model import build_hf_model
 
     cfg = load_recipe(None, [])
     model = build_hf_model(cfg.model)

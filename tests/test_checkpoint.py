@@ -192,7 +192,7 @@ def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim)
     env.pop("LOCAL_RANK", None)
     env.pop("SHARDLIGHT_RUN_DIR", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "framework.cli", "train", str(recipe), f"output_dir={tmp_path}", *FAST,
+        [sys.executable, "-m", "shardlight.cli", "train", str(recipe), f"output_dir={tmp_path}", *FAST,
          "trainer.max_steps=100000", "checkpoint.every_n_steps=100000", "trainer.collective_timeout_s=15"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rank1 = None
@@ -247,7 +247,7 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny
 
 
 def test_missing_or_corrupt_shard_is_one_clear_error_before_loading(tiny, run_a, tmp_path, monkeypatch, capsys):
-    from framework.cli import main
+    from shardlight.cli import main
 
     forbid_training(monkeypatch)
     monkeypatch.delenv("SHARDLIGHT_RESUME_FROM", raising=False)
@@ -305,9 +305,9 @@ def test_full_params_fsdp1_and_fsdp2(tmp_path):
 
 
 def test_checkpoint_keys_and_collective_timeout():
-    from framework.config import load_recipe
-    from framework.errors import ShardlightError
-    from framework.train import build_strategy
+    from shardlight.recipe import load_recipe
+    from shardlight.errors import ShardlightError
+    from shardlight.train import build_strategy
 
     cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
                              "resume_dir=/x", "export=true", "trainer.collective_timeout_s=45"])
@@ -319,9 +319,9 @@ def test_checkpoint_keys_and_collective_timeout():
 
 
 def test_resume_discovery_skips_incomplete_checkpoints(tmp_path, monkeypatch):
-    from framework.checkpoint_store import META, find_resume, newest_checkpoint
-    from framework.config import load_recipe
-    from framework.errors import ShardlightError
+    from shardlight.checkpoint_store import META, find_resume, newest_checkpoint
+    from shardlight.recipe import load_recipe
+    from shardlight.errors import ShardlightError
 
     def fake(run, step, complete=True):
         d = tmp_path / "runs" / "r" / run / "checkpoints" / f"step-{step}"
@@ -331,7 +331,7 @@ def test_resume_discovery_skips_incomplete_checkpoints(tmp_path, monkeypatch):
             (d / META).write_text(json.dumps({"files": {}}))
         return d
 
-    monkeypatch.setattr("framework.checkpoint_store.verify_checkpoint", lambda path: {})
+    monkeypatch.setattr("shardlight.checkpoint_store.verify_checkpoint", lambda path: {})
     old = fake("20260101-000000", 4)
     assert newest_checkpoint(old.parent) == old
     fake("20260101-000000", 6, complete=False)  # a save that never finished

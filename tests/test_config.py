@@ -6,9 +6,9 @@ import textwrap
 import pytest
 
 from conftest import forbid_training, DEFAULT_RECIPE, REPO
-from framework.cli import main
-from framework.config import load_recipe, to_yaml
-from framework.errors import ShardlightError
+from shardlight.cli import main
+from shardlight.recipe import load_recipe, to_yaml
+from shardlight.errors import ShardlightError
 
 
 def write(path, text):
@@ -131,7 +131,7 @@ def test_cli_exit_code_and_help(cli):
 
 
 def test_readme_recipe_reference_is_current():
-    from framework.config import README_TABLE_END, README_TABLE_START, recipe_reference_markdown
+    from shardlight.recipe.docs import README_TABLE_END, README_TABLE_START, recipe_reference_markdown
 
     readme = (REPO / "README.md").read_text()
     table = readme.split(README_TABLE_START)[1].split(README_TABLE_END)[0]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.config import RecipeConfig, load_recipe
-from framework.data import (IGNORE_INDEX, SFTDataModule, build_tokenizer, check_data, count_label_tokens)
-from framework.errors import ShardlightError
+from shardlight.recipe import RecipeConfig, load_recipe
+from shardlight.data import (IGNORE_INDEX, SFTDataModule, build_tokenizer, check_data, count_label_tokens)
+from shardlight.errors import ShardlightError
 
 REPO = Path(__file__).resolve().parents[1]
 TOK_DIR = REPO / "recipes" / "assets" / "tiny-tokenizer"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from framework.cli import main
-from framework.errors import ShardlightError
-from framework.planner.estimate import GB, parse_memory
+from shardlight.cli import main
+from shardlight.errors import ShardlightError
+from shardlight.planner.estimate import GB, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,7 +172,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
 
 
 def test_wandb_profile_table_offline(tmp_path):
-    from framework.planner.report import log_wandb_table
+    from shardlight.planner.report import log_wandb_table
 
     result = {"recipe": "t", "measured_best": "FULL_SHARD", "plan_prediction": "FULL_SHARD",
               "runs": {"FULL_SHARD": {"world_size": 2, "measured": {"tokens_per_sec_per_device": 10.0},

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import save_tiny_llama, forbid_training, REPO, run_cli
-from framework.cli import main
+from shardlight.cli import main
 
 WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
@@ -68,9 +68,9 @@ def reference_weights(recipe, world_size, accumulate=1):
     micro-batches) of each rank's token-mean loss, global-norm clipping, AdamW with the same groups."""
     from torch.utils.data import DistributedSampler, default_collate
 
-    from framework.config import load_recipe
-    from framework.data import SFTDataModule, build_tokenizer
-    from framework.model import CausalLMModule
+    from shardlight.recipe import load_recipe
+    from shardlight.data import SFTDataModule, build_tokenizer
+    from shardlight.model import CausalLMModule
 
     cfg = load_recipe(str(recipe), [f"trainer.devices={world_size}", f"trainer.accumulate_grad_batches={accumulate}"])
     datamodule = SFTDataModule(cfg, build_tokenizer(cfg))
@@ -206,8 +206,8 @@ def test_accelerate_config_file_is_accepted_unchanged(tmp_path, capsys):
     assert fsdp["state_dict_type"] == "SHARDED_STATE_DICT" and fsdp["sync_module_states"] is True
     assert trainer["precision"] == "bf16-mixed" and trainer["devices"] == 2 and trainer["num_nodes"] == 1
 
-    from framework.config import load_recipe
-    from framework.strategy import resolve_recipe_fsdp
+    from shardlight.recipe import load_recipe
+    from shardlight.strategy import resolve_recipe_fsdp
 
     plan = resolve_recipe_fsdp(load_recipe(None, accelerate_config=str(path)))
     assert (plan.sharding_strategy, plan.backward_prefetch, plan.forward_prefetch) == (
@@ -216,8 +216,8 @@ def test_accelerate_config_file_is_accepted_unchanged(tmp_path, capsys):
 
 
 def test_fsdp2_defaults_follow_accelerate():
-    from framework.config import FSDPConfig
-    from framework.strategy import resolve_fsdp
+    from shardlight.recipe import FSDPConfig
+    from shardlight.strategy import resolve_fsdp
 
     v2 = resolve_fsdp(FSDPConfig(fsdp_version=2))
     assert v2.reshard_after_forward is True and v2.state_dict_type == "SHARDED_STATE_DICT"

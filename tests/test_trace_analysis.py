@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from framework.errors import ShardlightError
-from framework.trace import analyze_trace_file, analyze_traces, reader
-from framework.trace.classify import COMMUNICATION, COMPUTATION, MEMORY, OTHER, kernel_type, nccl_collective
-from framework.trace.cli import main
-from framework.trace.intervals import merge_intervals, overlap_length, total_length
+from shardlight.errors import ShardlightError
+from shardlight.trace import analyze_trace_file, analyze_traces, reader
+from shardlight.trace.classify import COMMUNICATION, COMPUTATION, MEMORY, OTHER, kernel_type, nccl_collective
+from shardlight.cli.main import main
+from shardlight.trace.intervals import merge_intervals, overlap_length, total_length
 
 
 def _shared_traces() -> Path:

@@ -34,8 +34,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-from framework.errors import ShardlightError
-from framework.planner.model_spec import ModelSpec
+from shardlight.errors import ShardlightError
+from shardlight.planner.model_spec import ModelSpec
 
 GB = 1e9
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")

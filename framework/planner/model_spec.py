@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
 
 
 @dataclass
@@ -115,7 +115,7 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
         raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
-    from framework.strategy.wrapping import find_block_classes
+    from shardlight.strategy.wrapping import find_block_classes
 
     classes = tuple(find_block_classes(model, block_classes))
     blocks = [m for m in model.modules() if isinstance(m, classes)]

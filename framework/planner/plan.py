@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from framework.errors import ShardlightError
-from framework.planner.estimate import Cluster, Workload, estimate_all
-from framework.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
-from framework.planner.recommend import format_table, recommend
+from shardlight.errors import ShardlightError
+from shardlight.planner.estimate import Cluster, Workload, estimate_all
+from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
+from shardlight.planner.recommend import format_table, recommend
 
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload) -> Dict[str, Any]:
@@ -27,7 +27,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload) -> Dict[str, An
 
 
 def spec_from_recipe(cfg: Any) -> ModelSpec:
-    from framework.model import build_hf_config
+    from shardlight.model import build_hf_config
 
     config = build_hf_config(cfg.model)
     classes = cfg.fsdp.transformer_cls_names_to_wrap

@@ -1,6 +1,6 @@
 """``shardlight profile``: a measured sweep of sharding strategies next to ``plan``'s prediction.
 
-Each run is its own ``python -m framework.cli train RECIPE overrides... --summary-json`` process (one
+Each run is its own ``python -m shardlight.cli train RECIPE overrides... --summary-json`` process (one
 Lightning fit per process), for ``--steps`` optimizer steps with the comm/memory/throughput callbacks. The
 1-device baseline runs first (when the plan says the model fits on one device); its tokens/s/device is
 written to ``baseline.json``, the file ``callbacks.throughput.baseline_file`` reads, and handed to the
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from framework.errors import ShardlightError
-from framework.planner.estimate import GB, STRATEGIES
+from shardlight.errors import ShardlightError
+from shardlight.planner.estimate import GB, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARED = ("params", "grads", "optim")
@@ -72,7 +72,7 @@ def run_one(recipe: Optional[str], overrides: List[str], out_dir: Path, tag: str
     """One ``shardlight train`` subprocess; returns its summary (or the error) and its log path."""
     summary_path = out_dir / f"{tag}.summary.json"
     log_path = out_dir / f"{tag}.log"
-    command = [sys.executable, "-m", "framework.cli", "train", *([recipe] if recipe else []), *overrides,
+    command = [sys.executable, "-m", "shardlight.cli", "train", *([recipe] if recipe else []), *overrides,
                "--summary-json", str(summary_path)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -113,13 +113,15 @@ def _match(rows: List[Dict[str, Any]], strategy: str, ckpt: bool, offload: bool)
 
 
 def profile(args: Any) -> int:
-    from framework.cli import _split_recipe_and_overrides
-    from framework.config import load_recipe
-    from framework.planner.cli import _number, build_plan_from_args, write_json
-    from framework.planner.estimate import make_cluster
-    from framework.planner.plan import make_plan, spec_from_recipe, workload_from_recipe
-    from framework.planner.recommend import choose, label
-    from framework.planner import report
+    from shardlight.cli.common import parse_number as _number
+    from shardlight.cli.common import split_recipe_and_overrides as _split_recipe_and_overrides
+    from shardlight.cli.common import write_json
+    from shardlight.cli.planner import build_plan_from_args
+    from shardlight.recipe import load_recipe
+    from shardlight.planner.estimate import make_cluster
+    from shardlight.planner.plan import make_plan, spec_from_recipe, workload_from_recipe
+    from shardlight.planner.recommend import choose, label
+    from shardlight.planner import report
 
     steps = _number("--steps", args.steps)
     timeout = _number("--timeout", args.timeout, float)

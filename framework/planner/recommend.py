@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from framework.planner.estimate import GB, Cluster
+from shardlight.planner.estimate import GB, Cluster
 
 TIE = 0.03
 SIMPLICITY = {"NO_SHARD": 0, "SHARD_GRAD_OP": 1, "HYBRID_SHARD": 2, "FULL_SHARD": 3}

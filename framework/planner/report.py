@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from framework.planner.estimate import GB
+from shardlight.planner.estimate import GB
 
 COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
            "comm_overlapped_ms", "comm_exposed_ms", "peak_gb", "params_gb", "grads_gb", "optim_gb",

@@ -26,9 +26,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from framework.config import FSDPConfig
-from framework.strategy.options import ResolvedFSDP, resolve_fsdp
-from framework.strategy.wrapping import find_block_classes, format_wrap_report, unit_modules, wrap_report
+from shardlight.recipe import FSDPConfig
+from shardlight.strategy.options import ResolvedFSDP, resolve_fsdp
+from shardlight.strategy.wrapping import find_block_classes, format_wrap_report, unit_modules, wrap_report
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
 
 GUIDELINE_MIN_PARAMS = 50_000_000
 GUIDELINE_MAX_PARAMS = 200_000_000

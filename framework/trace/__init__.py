@@ -1,5 +1,5 @@
 """Trace analysis: communication vs computation from PyTorch profiler traces (``shardlight analyze``)."""
 
-from framework.trace.analysis import analyze_trace_file, analyze_traces
+from shardlight.trace.analysis import analyze_trace_file, analyze_traces
 
 __all__ = ["analyze_trace_file", "analyze_traces"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from framework.errors import ShardlightError
-from framework.trace.metrics import (
+from shardlight.errors import ShardlightError
+from shardlight.trace.metrics import (
     UNASSIGNED_STEP,
     analyze_record,
     collect_step_names,
     trace_mode,
 )
-from framework.trace.reader import TraceRecord, read_trace
+from shardlight.trace.reader import TraceRecord, read_trace
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 

@@ -11,7 +11,7 @@ The collective is read from the NCCL kernel name (``ncclKernel_AllReduce_RING_LL
 ``ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL``); RCCL's ``ncclDevKernel_Generic`` does not say,
 so it is ``unknown``.
 
-CPU traces from gloo runs have no kernels; see :mod:`framework.trace.metrics` for that rule.
+CPU traces from gloo runs have no kernels; see :mod:`shardlight.trace.metrics` for that rule.
 Collective names from ``gloo:<op>`` annotations and ``c10d::<op>`` / ``FSDP::<op>`` ops are
 normalised to the same snake_case names as the NCCL ones.
 """

@@ -14,14 +14,14 @@ cut into chunks of whole events and each chunk gets:
 * the events around each ``ProfilerStep`` are cut out and decoded with json, for their step part
   (there are a few per step).
 
-:mod:`framework.trace.chunks` supplies the chunks and, per chunk, whether a float timestamp
+:mod:`shardlight.trace.chunks` supplies the chunks and, per chunk, whether a float timestamp
 occurs (one anywhere makes HTA round the whole file), where the array may end and where
 ``ProfilerStep`` occurs.
 
 A chunk whose counts disagree (another key order, a negative id, an unexpected category) is
 decoded event by event instead (``_scan_pieces``). Anything else unexpected -- a separator inside
 a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file is read in full
-by :mod:`framework.trace.reader`, which also words the errors.
+by :mod:`shardlight.trace.reader`, which also words the errors.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from bisect import bisect_left
 from itertools import repeat
 from pathlib import Path
 
-from framework.trace.chunks import Chunks
-from framework.trace.records import Collector, TraceRecord, as_int
+from shardlight.trace.chunks import Chunks
+from shardlight.trace.records import Collector, TraceRecord, as_int
 
 
 class FastPathMiss(Exception):

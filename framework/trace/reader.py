@@ -1,6 +1,6 @@
 """Read a PyTorch profiler (Kineto) chrome trace into a compact TraceRecord.
 
-:mod:`framework.trace.fastscan` reads GPU traces in one pass over the raw bytes. When it cannot
+:mod:`shardlight.trace.fastscan` reads GPU traces in one pass over the raw bytes. When it cannot
 be sure of a file (a CPU-only gloo trace, an unusual layout, bad input) the file is read here
 instead: the top-level object is walked key by key and ``traceEvents`` is decoded one event at
 a time with the C JSON scanner, so peak memory is one read chunk plus the compact records (a
@@ -17,9 +17,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from framework.errors import ShardlightError
-from framework.trace import fastscan
-from framework.trace.records import SYNC_EVENT_NAMES, Collector, CpuRow, GpuRow, TraceRecord, as_int
+from shardlight.errors import ShardlightError
+from shardlight.trace import fastscan
+from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, CpuRow, GpuRow, TraceRecord, as_int
 
 __all__ = ["SYNC_EVENT_NAMES", "CpuRow", "GpuRow", "TraceRecord", "read_trace"]
 

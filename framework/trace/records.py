@@ -2,8 +2,12 @@
 
 Rows are kept the way HTA 0.5.0 keeps them: events without ``dur`` or ``cat`` and ``cat == "Trace"``
 are dropped; ``args.stream`` that is missing or not an integer becomes -1, a missing
-``args.correlation`` becomes -1. Timestamps are kept raw; :mod:`framework.trace.metrics` applies
-HTA's float rounding once it knows whether the file has any float timestamp.
+``args.correlation`` becomes -1. Timestamps are kept raw; :class:`shardlight.trace.events.TimeRules`
+applies HTA's float rounding once the whole file is read.
+
+A record holds what any source (:mod:`shardlight.trace.sources`) may need, whatever the backend:
+device rows (``args.stream != -1``), launch times by correlation id, ``ProfilerStep`` rows, and
+the CPU rows whose names start with a prefix some source asked for (``cpu_rows``).
 """
 
 from __future__ import annotations
@@ -16,21 +20,8 @@ SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
 
 
 @dataclass
-class GpuRow:
-    """A row with ``args.stream != -1``: what HTA's GPU analyses look at."""
-
-    name: str
-    ts: float
-    dur: float
-    correlation: int
-    # HTA's filter treats a row as a GPU kernel only with stream >= 0 and correlation >= 0;
-    # anything else on a stream is filtered like a CPU row, by its own timestamp.
-    is_kernel: bool
-
-
-@dataclass
 class CpuRow:
-    """A CPU-side row the gloo analysis or the step logic needs."""
+    """A CPU-side row a source or the step logic needs."""
 
     name: str
     cat: str
@@ -46,9 +37,11 @@ class TraceRecord:
     rank_from_metadata: bool
     # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
     float_timestamps: bool = False
-    # GPU rows by column (name, ts, dur, correlation, is_kernel of GpuRow): the fast reader
-    # extends these from regex matches and the metrics turn them into arrays, all without a
-    # Python object per kernel.
+    # Device rows (args.stream != -1: what HTA's GPU analyses look at) by column: the fast
+    # reader extends these from regex matches and the sources turn them into arrays, all
+    # without a Python object per kernel. HTA's filter treats a row as a GPU kernel only with
+    # stream >= 0 and correlation >= 0 (gpu_is_kernel); anything else on a stream is filtered
+    # like a CPU row, by its own timestamp.
     gpu_name: list[str] = field(default_factory=list)
     gpu_ts: list[float] = field(default_factory=list)
     gpu_dur: list[float] = field(default_factory=list)
@@ -60,14 +53,14 @@ class TraceRecord:
     step_rows: list[CpuRow] = field(default_factory=list)
     # names containing "ProfilerStep" on any kept row: HTA counts them to decide whether to filter
     step_names: set[str] = field(default_factory=set)
-    gloo_rows: list[CpuRow] = field(default_factory=list)
-    aten_rows: list[CpuRow] = field(default_factory=list)
-    collective_rows: list[CpuRow] = field(default_factory=list)
+    # name prefix -> the CPU rows (stream -1, not ProfilerStep) starting with it, in trace order;
+    # only the prefixes the Collector was given, and none on the fast path (see fastscan).
+    cpu_rows: dict[str, list[CpuRow]] = field(default_factory=dict)
     event_count: int = 0
 
-    @property
-    def gpu_rows(self) -> list[GpuRow]:
-        return list(map(GpuRow, self.gpu_name, self.gpu_ts, self.gpu_dur, self.gpu_correlation, self.gpu_is_kernel))
+    def rows(self, prefix: str) -> list[CpuRow]:
+        """The CPU rows whose name starts with ``prefix`` (empty if it was not collected)."""
+        return self.cpu_rows.get(prefix, [])
 
     def add_gpu_row(self, name: str, ts: float, dur: float, correlation: int, is_kernel: bool) -> None:
         self.gpu_name.append(name)
@@ -85,10 +78,16 @@ def as_int(value: Any, default: int = -1) -> int:
 
 
 class Collector:
-    """Turns decoded events into the compact rows of a TraceRecord."""
+    """Turns decoded events into the compact rows of a TraceRecord.
 
-    def __init__(self, record: TraceRecord):
+    ``cpu_prefixes``: the CPU rows to keep, by name prefix; a row goes to every prefix it starts with.
+    """
+
+    def __init__(self, record: TraceRecord, cpu_prefixes: tuple[str, ...] = ()):
         self.record = record
+        self._prefixes = tuple(dict.fromkeys(cpu_prefixes))
+        for prefix in self._prefixes:
+            record.cpu_rows.setdefault(prefix, [])
 
     def add(self, event: Any, step_only: bool = False) -> None:
         """Apply one decoded event; ``step_only`` applies just its ProfilerStep part.
@@ -137,9 +136,8 @@ class Collector:
             return
         if "ProfilerStep" in name:
             record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith("aten::"):
-            record.aten_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith("gloo:"):
-            record.gloo_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-        elif name.startswith(("c10d::", "FSDP::")):
-            record.collective_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+        elif self._prefixes and name.startswith(self._prefixes):  # one C call rejects most rows
+            row = CpuRow(name, cat, ts, dur, event.get("tid"))
+            for prefix in self._prefixes:
+                if name.startswith(prefix):
+                    record.cpu_rows[prefix].append(row)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from framework.errors import ShardlightError
+from shardlight.errors import ShardlightError
 
 _COLUMNS = (
     ("rank", "rank", None),

@@ -31,7 +31,7 @@ def wrap(holder, version):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        from framework.export import register_fsdp_root
+        from shardlight.export import register_fsdp_root
 
         root = FSDP(holder, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
                     device_id=torch.device("cpu"))
@@ -46,7 +46,7 @@ def wrap(holder, version):
 
 
 def check(version):
-    from framework import full_params
+    from shardlight import full_params
 
     holder = build()
     expected = holder.model.model.layers[0].self_attn.q_proj.weight.detach().clone()

@@ -8,35 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from framework.errors import ShardlightError
-
-
-def _number(name: str, value: Optional[str], kind=int, positive: bool = True) -> Any:
-    if value is None:
-        return None
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ShardlightError(f"{name} must be a{'n integer' if kind is int else ' number'}, got '{value}'") from None
-    if positive and not number > 0:
-        raise ShardlightError(f"{name} must be positive, got {value}")
-    return number
-
-
-def _on_off(name: str, value: Optional[str]) -> Optional[bool]:
-    if value is None or value == "auto":
-        return None
-    if value.lower() in ("on", "true", "yes", "1"):
-        return True
-    if value.lower() in ("off", "false", "no", "0"):
-        return False
-    raise ShardlightError(f"{name} must be on, off or auto, got '{value}'")
+from shardlight.cli.common import add_recipe_items, parse_number, parse_on_off, split_recipe_and_overrides, write_json
+from shardlight.errors import ShardlightError
 
 
 def build_plan_from_args(args: argparse.Namespace):
     """(plan dict, recipe cfg or None) from the plan/profile arguments."""
-    from framework.planner.estimate import Workload, make_cluster
-    from framework.planner.plan import make_plan, spec_from_hf_config, spec_from_recipe, workload_from_recipe
+    from shardlight.planner.estimate import Workload, make_cluster
+    from shardlight.planner.plan import make_plan, spec_from_hf_config, spec_from_recipe, workload_from_recipe
 
     items = list(getattr(args, "items", []) or [])
     cfg = None
@@ -47,36 +26,35 @@ def build_plan_from_args(args: argparse.Namespace):
         spec = spec_from_hf_config(hf_config)
         work = Workload()
     else:
-        from framework.cli import _split_recipe_and_overrides
-        from framework.config import load_recipe
+        from shardlight.recipe import load_recipe
 
-        recipe, overrides = _split_recipe_and_overrides(items)
+        recipe, overrides = split_recipe_and_overrides(items)
         cfg = load_recipe(recipe, overrides)
         spec = spec_from_recipe(cfg)
         work = workload_from_recipe(cfg)
     for attr, name in (("micro_batch_size", "--micro-batch-size"), ("seq_len", "--seq-len"),
                        ("accumulate_grad_batches", "--accumulate")):
-        value = _number(name, getattr(args, attr, None))
+        value = parse_number(name, getattr(args, attr, None))
         if value is not None:
             setattr(work, attr, value)
     for attr in ("precision", "param_dtype", "optimizer"):
         if getattr(args, attr, None):
             setattr(work, attr, getattr(args, attr))
-    nodes = _number("--nodes", args.nodes) or (cfg.trainer.num_nodes if cfg is not None else 1)
-    gpus = _number("--gpus-per-node", args.gpus_per_node) or (cfg.trainer.devices if cfg is not None else 8)
+    nodes = parse_number("--nodes", args.nodes) or (cfg.trainer.num_nodes if cfg is not None else 1)
+    gpus = parse_number("--gpus-per-node", args.gpus_per_node) or (cfg.trainer.devices if cfg is not None else 8)
     cluster = make_cluster(
         nodes=nodes, gpus_per_node=gpus, gpu_memory=args.gpu_memory, interconnect=args.interconnect,
-        intra_node_bw=_number("--intra-node-bw", args.intra_node_bw, float),
-        inter_node_bw=_number("--inter-node-bw", args.inter_node_bw, float),
-        peak_tflops=_number("--peak-tflops", args.peak_tflops, float),
-        mfu=_number("--mfu", args.mfu, float), overhead_gb=_number("--overhead-gb", args.overhead_gb, float, False),
+        intra_node_bw=parse_number("--intra-node-bw", args.intra_node_bw, float),
+        inter_node_bw=parse_number("--inter-node-bw", args.inter_node_bw, float),
+        peak_tflops=parse_number("--peak-tflops", args.peak_tflops, float),
+        mfu=parse_number("--mfu", args.mfu, float), overhead_gb=parse_number("--overhead-gb", args.overhead_gb, float, False),
         host_memory=args.host_memory,
     )
     plan = make_plan(spec, cluster, work)
-    ckpt = _on_off("--activation-checkpointing", getattr(args, "activation_checkpointing", None))
-    offload = _on_off("--cpu-offload", getattr(args, "cpu_offload", None))
+    ckpt = parse_on_off("--activation-checkpointing", getattr(args, "activation_checkpointing", None))
+    offload = parse_on_off("--cpu-offload", getattr(args, "cpu_offload", None))
     if ckpt is not None or offload is not None:
-        from framework.planner.recommend import recommend
+        from shardlight.planner.recommend import recommend
 
         rows = [r for r in plan["strategies"] if (ckpt is None or r["activation_checkpointing"] == ckpt)
                 and (offload is None or r["cpu_offload"] == offload)]
@@ -87,16 +65,8 @@ def build_plan_from_args(args: argparse.Namespace):
     return plan, cfg
 
 
-def write_json(path: str, data: Any) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise ShardlightError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def run_plan(args: argparse.Namespace) -> int:
-    from framework.planner.plan import render
+    from shardlight.planner.plan import render
 
     plan, _ = build_plan_from_args(args)
     sys.stdout.write(render(plan) + "\n")
@@ -106,7 +76,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from framework.planner.profile import profile
+    from shardlight.planner.profile import profile
 
     return profile(args)
 
@@ -136,14 +106,14 @@ def _cluster_args(parser: argparse.ArgumentParser, for_profile: bool = False) ->
     w.add_argument("--cpu-offload", metavar="on|off|auto", help="restrict to on or off (default: both)")
 
 
-def add_planner_parsers(subparsers: Any) -> None:
+def add_parsers(subparsers: Any) -> None:
     plan = subparsers.add_parser(
         "plan", help="estimate per-rank memory and step time per sharding strategy and recommend one",
         description="Sharding-aware estimate (parameters, gradients, optimizer state, activations, all-gather "
                     "buffers, communication vs compute) for NO_SHARD (DDP), SHARD_GRAD_OP, FULL_SHARD and "
                     "HYBRID_SHARD, x activation checkpointing x CPU offload, and a recommendation with reasons. "
                     "The model is built on the meta device: no weights, no download.")
-    plan.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe file, then overrides")
+    add_recipe_items(plan)
     plan.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Hugging Face config.json instead of a recipe")
     plan.add_argument("--json", metavar="OUT", help="write the recommendation and every estimate as JSON")
     _cluster_args(plan)
@@ -155,7 +125,7 @@ def add_planner_parsers(subparsers: Any) -> None:
                     "available devices, each a separate `shardlight train`, with the comm/memory/throughput "
                     "callbacks; writes profile_report.md with PNG plots, profile.json, a W&B table and "
                     "the throughput baseline file.")
-    prof.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe file, then overrides")
+    add_recipe_items(prof)
     prof.add_argument("--out", metavar="DIR", default="profile", help="report directory (default ./profile)")
     prof.add_argument("--steps", default="8", help="optimizer steps per run (default 8)")
     prof.add_argument("--strategies", default="NO_SHARD,SHARD_GRAD_OP,FULL_SHARD",

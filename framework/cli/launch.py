@@ -1,24 +1,38 @@
-"""``shardlight launch slurm|local``."""
+"""``shardlight launch slurm|local``: validate here, then hand the run to a launcher in ``shardlight.launch``."""
 
 from __future__ import annotations
 
 import argparse
 
-from framework.errors import ShardlightError
+from pathlib import Path
+from typing import List, Optional
+
+from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
+from shardlight.errors import ShardlightError
+from shardlight.launch.local import launch_local
+from shardlight.launch.slurm import SlurmAllocation, check_overrides_match, submit, write_job
+from shardlight.recipe import load_recipe
 
 
-def _split(items):
-    from framework.cli import _split_recipe_and_overrides
+def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocation) -> tuple:
+    """Validate everything first (allocation, recipe, the checks a rank would make), then write
+    ``run_dir/job.sbatch``; returns (path, script text)."""
+    alloc.validate()
+    check_overrides_match(overrides, alloc)
+    cfg = load_recipe(recipe, list(overrides) + [f"trainer.num_nodes={alloc.nodes}",
+                                                  f"trainer.devices={alloc.gpus_per_node}"])
+    from shardlight.train import preflight  # tokenizer, model config, wrap classes: torch and transformers
 
-    return _split_recipe_and_overrides(items)
+    preflight(cfg)
+    recipe_arg = str(Path(recipe).resolve()) if recipe else None
+    return write_job(cfg.name, dict(cfg.launch.env), recipe_arg, overrides, alloc,
+                     Path(cfg.output_dir).resolve() / cfg.name)
 
 
 def run_slurm(args: argparse.Namespace) -> int:
-    from launch.slurm import SlurmAllocation, prepare_job, submit
-
     if args.dry_run and args.submit:
         raise ShardlightError("choose one of --dry-run and --submit")
-    recipe, overrides = _split(args.items)
+    recipe, overrides = split_recipe_and_overrides(args.items)
     alloc = SlurmAllocation(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition, account=args.account,
         time=args.time, qos=args.qos, constraint=args.constraint, cpus_per_task=args.cpus_per_task,
@@ -37,13 +51,11 @@ def run_slurm(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from launch.local import launch_local
-
-    recipe, overrides = _split(args.items)
+    recipe, overrides = split_recipe_and_overrides(args.items)
     return launch_local(recipe, overrides, args.nproc)
 
 
-def add_launch_parser(subparsers) -> None:
+def add_parsers(subparsers) -> None:
     launch = subparsers.add_parser("launch", help="launch training on SLURM or locally",
                                    description="Generate/submit a SLURM job, or launch on this machine.")
     kinds = launch.add_subparsers(dest="launch_kind", metavar="KIND")
@@ -52,7 +64,7 @@ def add_launch_parser(subparsers) -> None:
     slurm = kinds.add_parser("slurm", help="write (and submit) an sbatch job running srun shardlight train",
                              description="Writes run_dir/job.sbatch: one srun task per GPU, SIGUSR1 90 s before "
                              "the time limit, requeue, resume=auto.")
-    slurm.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]")
+    add_recipe_items(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= srun tasks = ranks) per node")
     slurm.add_argument("--partition")
@@ -69,6 +81,6 @@ def add_launch_parser(subparsers) -> None:
     slurm.set_defaults(func=run_slurm)
 
     local = kinds.add_parser("local", help="run N ranks on this machine (no Slurm)")
-    local.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]")
+    add_recipe_items(local)
     local.add_argument("--nproc", type=int, required=True, help="ranks on this machine")
     local.set_defaults(func=run_local)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-from framework.errors import ShardlightError
 
 ANALYZE_HELP = "communication vs computation per rank from PyTorch profiler traces (HTA-compatible)"
 ANALYZE_DESCRIPTION = """\
@@ -17,7 +14,7 @@ runs: gloo:* annotations are communication, main-thread aten::* ops are computat
 """
 
 
-def add_analyze_parser(subparsers) -> None:
+def add_parsers(subparsers) -> None:
     parser = subparsers.add_parser(
         "analyze",
         help=ANALYZE_HELP,
@@ -36,8 +33,8 @@ def add_analyze_parser(subparsers) -> None:
 
 
 def run_analyze(args) -> int:
-    from framework.trace.analysis import analyze_traces
-    from framework.trace.report import format_summary, format_table, write_json, write_plot
+    from shardlight.trace.analysis import analyze_traces
+    from shardlight.trace.report import format_summary, format_table, write_json, write_plot
 
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step)
     print(format_table(analysis))
@@ -52,18 +49,3 @@ def run_analyze(args) -> int:
         print(f"wrote {args.plot_out}")
     return 0
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="shardlight")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_analyze_parser(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ShardlightError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

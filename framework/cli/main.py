@@ -1,0 +1,49 @@
+"""``shardlight``: one parser, one module per command (each has ``add_parsers(subparsers)``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from shardlight.cli import analyze, checkpoint, launch, planner, train
+from shardlight.errors import ShardlightError
+
+# A new command: one module in shardlight/cli/ and one entry here.
+COMMANDS = (train, analyze, checkpoint, planner, launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlight",
+        description="Recipe-driven FSDP fine-tuning of Hugging Face models, measuring where the bottleneck went.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS:
+        command.add_parsers(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    # Overrides may come after options (train R --summary-json S a.b=1); argparse can't intermix
+    # positionals with subcommands, so leftover key=value words are handed to the command's items here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or getattr(args, "items", None) is None]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.items = list(args.items) + extra
+    try:
+        return args.func(args)
+    except ShardlightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

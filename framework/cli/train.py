@@ -1,0 +1,41 @@
+"""``shardlight train``: a recipe and overrides → a validated config → ``shardlight.train.train``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
+from shardlight.recipe import load_recipe, to_yaml
+from shardlight.runtime import RunContext
+
+
+def run_train(args: argparse.Namespace) -> int:
+    recipe, overrides = split_recipe_and_overrides(args.items)
+    cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    # Quiet third-party chatter that is not the user's concern on an offline CPU run.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
+
+    train(RunContext.from_env(), cfg, summary_json=args.summary_json)
+    return 0
+
+
+def add_parsers(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="fine-tune a model from a recipe",
+        description="Train from a YAML recipe (default: the embedded tiny-llama-sft recipe). "
+        "Overrides use OmegaConf dotted keys, e.g. trainer.max_steps=50 fsdp.sharding_strategy=SHARD_GRAD_OP.",
+    )
+    add_recipe_items(train)
+    train.add_argument("--accelerate-config", metavar="FILE",
+                       help="an `accelerate config` YAML; its FSDP/process values land in fsdp:/trainer:")
+    train.add_argument("--print-config", action="store_true", help="print the fully resolved recipe as YAML and exit")
+    train.add_argument("--summary-json", metavar="PATH", help="write first/final val loss, steps, dirs, wall time")
+    train.set_defaults(func=run_train)

@@ -1,0 +1,28 @@
+"""Recipes: the typed schema (``schema``), YAML + overrides → ``RecipeConfig`` (``load``), the checks types
+cannot express (``validate``), ``accelerate config`` import (``accelerate``), the README table (``docs``).
+
+The bottom layer: imports nothing of shardlight's but ``errors`` and the shipped ``shardlight.recipes`` data.
+"""
+
+from shardlight.recipe.load import DEFAULT_RECIPE, RECIPES_DIR, load_recipe, to_dict, to_yaml
+from shardlight.recipe.schema import (
+    CallbacksConfig,
+    CheckpointConfig,
+    DataConfig,
+    FSDPConfig,
+    LaunchConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    RecipeConfig,
+    TokenizerConfig,
+    TrainerConfig,
+    WandbConfig,
+)
+from shardlight.recipe.validate import get_key, validate
+
+__all__ = [
+    "DEFAULT_RECIPE", "RECIPES_DIR", "load_recipe", "to_dict", "to_yaml", "validate", "get_key",
+    "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "TrainerConfig", "FSDPConfig",
+    "LoggingConfig", "WandbConfig", "CallbacksConfig", "CheckpointConfig", "LaunchConfig",
+]

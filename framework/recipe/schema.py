@@ -1,0 +1,291 @@
+"""The typed recipe schema: one dataclass per section, every field's help text and allowed values in its
+metadata (``help``; ``allowed``: the allowed values; ``positive`` / ``non_negative``: number checks, null
+passes). The loader, the validator and the README's reference table all read them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local directory or Hugging Face hub id, loaded with from_pretrained."}
+    )
+    config: Optional[Dict[str, Any]] = field(
+        default=None,
+        metadata={"help": "Inline Hugging Face architecture config (needs model_type); builds with from_config."},
+    )
+    dtype: str = field(default="float32", metadata={"allowed": ('float32', 'bfloat16', 'float16'), "help": "Weight dtype at load: float32, bfloat16, float16."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run code shipped with the model repo."})
+    attn_implementation: Optional[str] = field(
+        default="sdpa", metadata={"allowed": (None, 'eager', 'sdpa', 'flash_attention_2', 'flex_attention'), "help": "eager, sdpa or flash_attention_2 (null: transformers' choice)."}
+    )
+
+
+@dataclass
+class TokenizerConfig:
+    name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory or hub id; null uses model.name_or_path."}
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run code shipped with the tokenizer repo."})
+
+
+@dataclass
+class DataConfig:
+    train_files: List[str] = field(
+        default_factory=list, metadata={"help": "Local JSONL/JSON/CSV/Parquet/text files (relative to the recipe)."}
+    )
+    val_files: List[str] = field(default_factory=list, metadata={"help": "Local validation files."})
+    dataset: Optional[str] = field(default=None, metadata={"help": "Hub dataset name, used when train_files is empty."})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    split: str = field(default="train", metadata={"help": "Training split of the hub dataset."})
+    val_split: Optional[str] = field(default=None, metadata={"help": "Validation split of the hub dataset."})
+    val_fraction: float = field(
+        default=0.05, metadata={"help": "Held-out fraction of the training rows when no validation data is given."}
+    )
+    format: str = field(default="instruction", metadata={"allowed": ('text', 'instruction', 'chat'), "help": "text, instruction or chat."})
+    text_field: str = field(default="text", metadata={"help": "Column with raw text (format: text)."})
+    prompt_field: str = field(default="prompt", metadata={"help": "Column with the prompt (format: instruction)."})
+    response_field: str = field(default="response", metadata={"help": "Column with the answer (format: instruction)."})
+    messages_field: str = field(default="messages", metadata={"help": "Column with chat messages (format: chat)."})
+    prompt_template: str = field(
+        default="### Instruction:\n{prompt}\n\n### Response:\n",
+        metadata={"help": "Template wrapped around the prompt; must contain {prompt}."},
+    )
+    seq_len: int = field(default=256, metadata={"positive": True, "help": "Tokens per training sequence."})
+    packing: bool = field(default=True, metadata={"help": "Concatenate examples into seq_len blocks."})
+    num_workers: int = field(default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."})
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak AdamW learning rate."})
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "AdamW betas."})
+    eps: float = field(default=1e-8, metadata={"non_negative": True, "help": "AdamW epsilon."})
+    weight_decay: float = field(default=0.0, metadata={"non_negative": True, "help": "AdamW decoupled weight decay."})
+    warmup_steps: int = field(default=0, metadata={"non_negative": True, "help": "Linear warmup steps from 0 to lr."})
+    schedule: str = field(default="cosine", metadata={"allowed": ('cosine', 'linear', 'constant'), "help": "cosine, linear or constant after warmup."})
+    min_lr_ratio: float = field(default=0.1, metadata={"non_negative": True, "help": "Final lr as a fraction of lr (cosine, linear)."})
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = field(default=100, metadata={"positive": True, "help": "Optimizer steps to train."})
+    micro_batch_size: int = field(default=8, metadata={"positive": True, "help": "Sequences per rank per forward pass."})
+    accumulate_grad_batches: int = field(default=1, metadata={"positive": True, "help": "Micro-batches per optimizer step."})
+    precision: str = field(
+        default="32-true", metadata={"allowed": ('32-true', '32', 'bf16-mixed', 'bf16-true', '16-mixed', '16-true'), "help": "Lightning precision: 32-true, bf16-mixed, bf16-true, 16-mixed."}
+    )
+    accelerator: str = field(default="auto", metadata={"allowed": ('auto', 'cpu', 'gpu', 'cuda'), "help": "auto, cpu, gpu or cuda."})
+    devices: int = field(default=1, metadata={"positive": True, "help": "Ranks (processes) per node."})
+    num_nodes: int = field(default=1, metadata={"positive": True, "help": "Nodes."})
+    seed: int = field(default=1234, metadata={"help": "Seed for weights, shuffling and dropout."})
+    log_every_n_steps: int = field(default=10, metadata={"positive": True, "help": "Logging interval in optimizer steps."})
+    val_every_n_steps: int = field(default=50, metadata={"positive": True, "help": "Validation interval in optimizer steps."})
+    limit_val_batches: Optional[int] = field(default=None, metadata={"help": "Cap on validation batches per rank."})
+    gradient_clip_val: Optional[float] = field(default=1.0, metadata={"help": "Clip the gradient norm (null: off)."})
+    num_threads: Optional[int] = field(
+        default=None, metadata={"help": "torch threads per rank on CPU (null: cores / ranks on the node)."}
+    )
+    progress_bar: bool = field(default=True, metadata={"help": "Show Lightning's progress bar on rank 0."})
+    collective_timeout_s: int = field(
+        default=1800, metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."}
+    )
+
+
+@dataclass
+class FSDPConfig:
+    """Accelerate's ``FullyShardedDataParallelPlugin`` fields, same names and meanings.
+
+    ``null`` means Accelerate's default for the chosen ``fsdp_version``. shardlight's own defaults
+    differ from Accelerate's in three places, each to hide communication better: transformer-block
+    wrapping (Accelerate: NO_WRAP, a single unit), BACKWARD_PRE prefetch for FSDP1 (Accelerate:
+    none) and ``use_orig_params: true`` for FSDP1 (needed for per-parameter optimizer groups).
+    """
+
+    fsdp_version: int = field(default=1, metadata={"allowed": (1, 2), "help": "1: FullyShardedDataParallel; 2: fully_shard (DTensor)."})
+    sharding_strategy: Optional[str] = field(
+        default=None,
+        metadata={"allowed": (None, 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2'), "help": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 (null: FULL_SHARD)."},
+    )
+    reshard_after_forward: Optional[Any] = field(
+        default=None,
+        metadata={"help": "FSDP2: free gathered params after forward (true ~ FULL_SHARD, false ~ SHARD_GRAD_OP)."},
+    )
+    auto_wrap_policy: str = field(
+        default="TRANSFORMER_BASED_WRAP", metadata={"allowed": ('TRANSFORMER_BASED_WRAP', 'SIZE_BASED_WRAP', 'NO_WRAP'), "help": "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."}
+    )
+    transformer_cls_names_to_wrap: Optional[List[str]] = field(
+        default=None, metadata={"help": "Block classes to wrap (null: the model's _no_split_modules)."}
+    )
+    transformer_layer_cls_to_wrap: Optional[List[str]] = field(
+        default=None, metadata={"help": "Alias of transformer_cls_names_to_wrap (Accelerate's config name)."}
+    )
+    min_num_params: Optional[int] = field(
+        default=None, metadata={"help": "SIZE_BASED_WRAP: parameters per unit at least (null: 0, as Accelerate)."}
+    )
+    backward_prefetch: Optional[str] = field(
+        default=None,
+        metadata={"allowed": (None, 'BACKWARD_PRE', 'BACKWARD_POST', 'NO_PREFETCH'), "help": "FSDP1: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH (null: BACKWARD_PRE; FSDP2: invalid)."},
+    )
+    forward_prefetch: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: issue the next all-gather during forward (null: false; FSDP2: invalid)."}
+    )
+    limit_all_gathers: bool = field(default=True, metadata={"help": "FSDP1: rate-limit all-gathers in flight."})
+    use_orig_params: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: keep original parameters visible (null: true; FSDP2 always does)."}
+    )
+    cpu_offload: bool = field(default=False, metadata={"help": "Offload parameters and gradients to CPU."})
+    offload_params: Optional[bool] = field(
+        default=None, metadata={"help": "Alias of cpu_offload (Accelerate's config name)."}
+    )
+    state_dict_type: Optional[str] = field(
+        default=None,
+        metadata={"allowed": (None, 'FULL_STATE_DICT', 'SHARDED_STATE_DICT'), "help": "FULL_STATE_DICT or SHARDED_STATE_DICT (null: FULL for FSDP1, SHARDED for FSDP2)."},
+    )
+    sync_module_states: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP1: broadcast rank 0's weights at wrap time (null: false)."}
+    )
+    cpu_ram_efficient_loading: Optional[bool] = field(
+        default=None, metadata={"help": "Load pretrained weights on rank 0 only and broadcast them (null: false)."}
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute each transformer block in backward (non-reentrant)."}
+    )
+    mixed_precision: Optional[str] = field(
+        default=None,
+        metadata={"allowed": (None, 'no', 'bf16', 'fp16', 'fp32'), "help": "FSDP param/reduce dtype: bf16, fp16, fp32 or no (null: from trainer.precision)."},
+    )
+    mixed_precision_policy: Optional[str] = field(
+        default=None, metadata={"help": "Alias of mixed_precision (Accelerate's field name)."}
+    )
+    sync_each_batch: bool = field(
+        default=False,
+        metadata={"help": "Reduce-scatter on every micro-batch under accumulation (less memory, more traffic)."},
+    )
+    mesh_shape: Optional[List[int]] = field(
+        default=None, metadata={"help": "HYBRID_SHARD (replicate, shard) mesh (null: (num_nodes, devices))."}
+    )
+    wrap_report_tiny_unit_params: int = field(
+        default=1_000_000, metadata={"help": "Wrap report: warn when units are smaller than this."}
+    )
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = field(default=True, metadata={"help": "Log to Weights & Biases."})
+    project: str = field(default="shardlight", metadata={"help": "W&B project."})
+    entity: Optional[str] = field(default=None, metadata={"help": "W&B entity (team or user)."})
+    group: Optional[str] = field(default=None, metadata={"help": "W&B group."})
+    name: Optional[str] = field(default=None, metadata={"help": "W&B run name (null: the run dir name)."})
+    mode: Optional[str] = field(
+        default=None, metadata={"allowed": (None, 'online', 'offline', 'disabled'), "help": "online, offline or disabled (null: offline unless WANDB_API_KEY is set)."}
+    )
+    tags: List[str] = field(default_factory=list, metadata={"help": "W&B tags."})
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv: bool = field(default=True, metadata={"help": "Also write metrics.csv in the run dir."})
+
+
+@dataclass
+class CommCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
+    every_n_steps: int = field(default=50, metadata={"positive": True, "help": "Steps between profiling windows (plus one early)."})
+    first_step: Optional[int] = field(
+        default=5, metadata={"help": "Step of the early profiling window (null or 0: none)."}
+    )
+    wait: int = field(default=0, metadata={"help": "Profiler schedule: steps skipped at a window's start."})
+    warmup: int = field(default=1, metadata={"help": "Profiler schedule: warm-up steps (traced, not recorded)."})
+    active: int = field(
+        default=2, metadata={"positive": True, "help": "Profiler schedule: recorded steps (the last is dropped in analysis, as HTA)."}
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
+    keep_windows: Optional[int] = field(
+        default=10, metadata={"help": "Keep the traces of this many latest windows in run_dir/traces (null: all)."}
+    )
+
+
+@dataclass
+class MemoryCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Log memory headroom and shard bytes per rank."})
+    every_n_steps: Optional[int] = field(
+        default=None, metadata={"help": "Steps between memory logs (null: trainer.log_every_n_steps)."}
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log memory/rank<R>/... keys for every rank."})
+
+
+@dataclass
+class ThroughputCallbackConfig:
+    enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
+    peak_tflops: Optional[float] = field(
+        default=None, metadata={"help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."}
+    )
+    peak_tflops_table: Dict[str, float] = field(
+        default_factory=dict,
+        metadata={"help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in A100/H100/H200 table."},
+    )
+    baseline_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSON with tokens_per_sec_per_device (shardlight profile) for scaling efficiency."},
+    )
+    every_n_steps: Optional[int] = field(
+        default=None, metadata={"help": "Steps between throughput logs (null: trainer.log_every_n_steps)."}
+    )
+    measure_flops: bool = field(
+        default=True, metadata={"help": "Count FLOPs/token with torch.utils.flop_counter (false: 6N + attention)."}
+    )
+
+
+@dataclass
+class CallbacksConfig:
+    comm: CommCallbackConfig = field(default_factory=CommCallbackConfig)
+    memory: MemoryCallbackConfig = field(default_factory=MemoryCallbackConfig)
+    throughput: ThroughputCallbackConfig = field(default_factory=ThroughputCallbackConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = field(default=True, metadata={"help": "Save sharded (DCP) checkpoints to run_dir/checkpoints/."})
+    every_n_steps: Optional[int] = field(
+        default=100, metadata={"positive": True, "help": "Optimizer steps between checkpoints (null: only at the end)."}
+    )
+    keep_last: Optional[int] = field(default=2, metadata={"positive": True, "help": "Keep this many newest checkpoints (null: all)."})
+    save_last: bool = field(default=True, metadata={"help": "Also save when training ends."})
+
+
+@dataclass
+class LaunchConfig:
+    env: Dict[str, str] = field(
+        default_factory=dict,
+        metadata={"help": "Environment for launched jobs (e.g. NCCL_* settings); written into sbatch scripts."},
+    )
+
+
+@dataclass
+class RecipeConfig:
+    name: Optional[str] = field(default=None, metadata={"help": "Recipe name (null: the recipe file's stem)."})
+    base: Optional[str] = field(default=None, metadata={"help": "Recipe merged underneath this one."})
+    output_dir: str = field(default="runs", metadata={"help": "Runs go to output_dir/<name>/<timestamp>/."})
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    resume: Optional[str] = field(
+        default=None, metadata={"help": "auto (newest complete checkpoint, if any) or a checkpoint/run dir path."}
+    )
+    resume_dir: Optional[str] = field(
+        default=None, metadata={"help": "resume=auto: the run dir to look in (null: newest run of this recipe)."}
+    )
+    export: bool = field(
+        default=False, metadata={"help": "After training, export the final checkpoint to run_dir/export (verified)."}
+    )

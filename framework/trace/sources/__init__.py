@@ -1,0 +1,37 @@
+"""The registry of trace sources: one per communication backend, tried in order.
+
+A source (interface in :mod:`.base`) says which records it analyses and turns their rows into
+the events the metrics measure. To add a backend, write ``sources/<backend>.py`` with a
+``Source`` subclass (a ``DeviceSource`` if its communication runs as GPU kernels) and add an
+instance to ``SOURCES``.
+
+Order matters: the first source that claims a record analyses it. Device sources come first:
+the fast reader keeps no CPU rows, so a GPU trace must be claimed from its device rows alone.
+"""
+
+from __future__ import annotations
+
+from shardlight.errors import ShardlightError
+from shardlight.trace.records import TraceRecord
+from shardlight.trace.sources.base import DeviceSource, Source
+from shardlight.trace.sources.gloo import GlooSource
+from shardlight.trace.sources.nccl import NcclSource
+
+SOURCES: tuple[Source, ...] = (
+    NcclSource(),
+    GlooSource(),
+)
+
+# Every CPU row prefix some source needs: what the full reader keeps (see records.Collector).
+CPU_PREFIXES = tuple(dict.fromkeys(prefix for source in SOURCES for prefix in source.cpu_prefixes))
+
+__all__ = ["CPU_PREFIXES", "SOURCES", "DeviceSource", "Source", "source_for"]
+
+
+def source_for(record: TraceRecord) -> Source:
+    """The source that analyses ``record``; ShardlightError if none can."""
+    for source in SOURCES:
+        if source.claims(record):
+            return source
+    wanted = " and no ".join(source.needs for source in SOURCES)
+    raise ShardlightError(f"{record.path}: no {wanted} to analyse")
