@@ -126,12 +126,14 @@ def main(argv=None) -> int:
         overrides.append(f"callbacks.comm.every_n_steps={args.every_n_steps}")
     cfg = load_recipe(None, overrides)
 
-    build = train_mod.build_callbacks
+    import shardlight.build.trainer as trainer_builder
+
+    build = trainer_builder.build_callbacks
 
     def with_timer(cfg_, ctx_):
         return build(cfg_, ctx_) + [StepTimer(Path(ctx_.run_dir))]
 
-    train_mod.build_callbacks = with_timer
+    trainer_builder.build_callbacks = with_timer
     ctx = RunContext.from_env()
     summary = train_mod.train(ctx, cfg)
     if ctx.rank != 0:

@@ -31,8 +31,7 @@ def shardlight_worker(out: Path) -> None:
     import lightning.pytorch as pl
 
     from shardlight.recipe import load_recipe
-    from shardlight.data import SFTDataModule
-    from shardlight.model import CausalLMModule
+    from shardlight.build import build_datamodule, build_module
     from shardlight.runtime import RunContext
     from shardlight.train import build_trainer, preflight, resolve_run_dir
 
@@ -55,7 +54,7 @@ def shardlight_worker(out: Path) -> None:
     trainer = build_trainer(cfg, ctx)
     timer = StepTimer()
     trainer.callbacks.append(timer)
-    trainer.fit(CausalLMModule(cfg), datamodule=SFTDataModule(cfg, tokenizer))
+    trainer.fit(build_module(cfg), datamodule=build_datamodule(cfg, tokenizer))
     (out / f"times-{trainer.global_rank}.json").write_text(json.dumps(timer.times))
 
 
@@ -69,7 +68,8 @@ def raw_rank(rank: int, out: Path) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from shardlight.recipe import load_recipe
-    from shardlight.data import SFTDataModule, build_tokenizer
+    from shardlight.build import build_tokenizer
+    from shardlight.data import SFTDataModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo")

@@ -3,7 +3,6 @@
 ``build_callbacks(cfg, run_dir)`` (called on every rank) returns the callbacks a recipe's ``callbacks:``
 section enables, plus the end-of-run per-rank table. Everything is logged by rank 0 through the trainer's
 Lightning loggers (W&B and the CSV twin); see each module's docstring for its metrics.
-``build_wandb_logger`` makes a W&B logger whose failures are warnings, never a stopped run.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from typing import Any, List, Optional
 from lightning.pytorch.callbacks import Callback
 
 from shardlight.callbacks._common import RankTable, log_table
-from shardlight.callbacks.wandb_logger import SafeWandbLogger, build_wandb_logger
 
 RANK_TABLE_KEY = "ranks/table"
 RANK_TABLE_CSV = "ranks.csv"
@@ -86,4 +84,4 @@ def build_callbacks(cfg: Any, run_dir: Any) -> List[Any]:
     return callbacks
 
 
-__all__ = ["build_callbacks", "build_wandb_logger", "SafeWandbLogger", "RankTableCallback"]
+__all__ = ["build_callbacks", "RankTableCallback"]

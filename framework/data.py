@@ -1,4 +1,4 @@
-"""Tokenizer, data preflight and the SFT ``LightningDataModule``.
+"""Data preflight and the SFT ``LightningDataModule`` (the tokenizer comes from ``shardlight.build.data``).
 
 Every example becomes ``input_ids`` plus ``labels`` (the ids of supervised tokens, -100 elsewhere; Hugging Face
 causal-LM models shift labels internally). Formats:
@@ -31,37 +31,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardlight.recipe import DataConfig, RecipeConfig
-from shardlight.errors import ShardlightError
+from shardlight.errors import ShardlightError, first_line
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-# ---- tokenizer
-def build_tokenizer(cfg: RecipeConfig):
-    """``AutoTokenizer`` for the recipe, with a pad token (falls back to eos) and an eos token guaranteed."""
-    from transformers import AutoTokenizer
-
-    name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
-    hint = "set tokenizer.name_or_path to a local directory or hub id"
-    if not name:
-        raise ShardlightError(f"tokenizer not found: neither tokenizer.name_or_path nor model.name_or_path is set; {hint}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.tokenizer.trust_remote_code)
-    except Exception as exc:  # OSError, HFValidationError, ValueError, connection errors offline...
-        raise ShardlightError(f"tokenizer not found: {name} ({_first_line(exc)}); {hint}") from None
-    if tokenizer.eos_token_id is None:
-        raise ShardlightError(f"tokenizer {name} has no eos token; SFT needs one to mark the end of an answer")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 # ---- preflight
@@ -173,7 +148,7 @@ def _check_file(path: str, builder: str, d: DataConfig) -> None:
         try:
             meta = pq.ParquetFile(path)
         except Exception as exc:
-            raise ShardlightError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
+            raise ShardlightError(f"{path}: not a readable Parquet file ({first_line(exc)})") from None
         if meta.metadata.num_rows == 0:
             raise ShardlightError(f"data file is empty: {path}")
         _check_columns(meta.schema_arrow.names, d, path)
@@ -213,7 +188,7 @@ def _load_local(files: List[str], d: DataConfig, key: str):
     try:
         ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True)
     except Exception as exc:
-        raise ShardlightError(f"could not load {key} ({', '.join(paths)}): {_first_line(exc)}") from None
+        raise ShardlightError(f"could not load {key} ({', '.join(paths)}): {first_line(exc)}") from None
     if builder == "text" and d.text_field != "text":
         ds = ds.rename_column("text", d.text_field)
     return ds
@@ -227,7 +202,7 @@ def _load_hub(d: DataConfig, split: str):
     except Exception as exc:
         cfg_part = f", config '{d.dataset_config}'" if d.dataset_config else ""
         raise ShardlightError(f"could not load hub dataset '{d.dataset}'{cfg_part}, split '{split}': "
-                              f"{_first_line(exc)} (offline? download it first or use data.train_files)") from None
+                              f"{first_line(exc)} (offline? download it first or use data.train_files)") from None
 
 
 # ---- tokenization

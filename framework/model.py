@@ -1,47 +1,23 @@
-"""The LightningModule around a Hugging Face causal LM: loss on supervised tokens, AdamW + warmup."""
+"""The LightningModule around a Hugging Face causal LM: loss on supervised tokens, metrics, grad clipping.
+
+It builds nothing itself: ``shardlight.build.model.build_module`` hands it the functions that make the model
+(in ``configure_model``, so FSDP wraps it) and the optimizer.
+"""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from shardlight.recipe import ModelConfig, OptimConfig, RecipeConfig
-from shardlight.errors import ShardlightError
+from shardlight.recipe import RecipeConfig
 
 IGNORE_INDEX = -100
-
-
-def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The architecture config, without weights (cheap; used by preflight checks and the builders)."""
-    if cfg.config is not None:
-        spec = dict(cfg.config)
-        model_type = spec.pop("model_type")
-        try:
-            return AutoConfig.for_model(model_type, **spec)
-        except ValueError as exc:
-            raise ShardlightError(f"model.config: {str(exc).splitlines()[0]}") from None
-    try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ShardlightError(
-            f"model.name_or_path '{cfg.name_or_path}' could not be loaded: {str(exc).splitlines()[0]}"
-        ) from None
-
-
-def build_hf_model(cfg: ModelConfig, config: Optional[PretrainedConfig] = None, weights: bool = True) -> PreTrainedModel:
-    """``from_pretrained`` for a path or hub id, ``from_config`` for an inline config (or ``weights=False``)."""
-    kwargs: Dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    if cfg.config is not None or not weights:
-        return AutoModelForCausalLM.from_config(config or build_hf_config(cfg), **kwargs)
-    return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
 
 
 def clean_param_name(name: str) -> str:
@@ -52,27 +28,21 @@ def clean_param_name(name: str) -> str:
 _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
 
 
-def lr_lambda(optim: OptimConfig, max_steps: int):
-    """Linear warmup to 1, then cosine/linear decay to ``min_lr_ratio`` (or constant)."""
-
-    def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / (optim.warmup_steps + 1)
-        if optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
-
-    return factor
-
-
 class CausalLMModule(pl.LightningModule):
-    """Fine-tunes ``AutoModelForCausalLM``; the model is built in ``configure_model`` so FSDP wraps it."""
+    """Fine-tunes ``AutoModelForCausalLM``; the model is built in ``configure_model`` so FSDP wraps it.
 
-    def __init__(self, cfg: RecipeConfig) -> None:
+    Arguments:
+        cfg: the recipe.
+        make_model: ``(weights: bool) -> PreTrainedModel``; ``weights=False`` builds the architecture only.
+        make_optimization: parameter groups → what ``configure_optimizers`` returns.
+    """
+
+    def __init__(self, cfg: RecipeConfig, make_model: Callable[[bool], PreTrainedModel],
+                 make_optimization: Callable[[List[Dict[str, Any]]], Dict[str, Any]]) -> None:
         super().__init__()
         self.cfg = cfg
+        self._make_model = make_model
+        self._make_optimization = make_optimization
         self.model: Optional[PreTrainedModel] = None
         self.first_val_loss: Optional[float] = None
         self.last_val_loss: Optional[float] = None
@@ -87,9 +57,9 @@ class CausalLMModule(pl.LightningModule):
             if self.cfg.fsdp.cpu_ram_efficient_loading and self.global_rank != 0:
                 # Only rank 0 reads the checkpoint; FSDP materializes the others and broadcasts rank 0's weights.
                 with torch.device("meta"):
-                    self.model = build_hf_model(self.cfg.model, weights=False)
+                    self.model = self._make_model(False)
             else:
-                self.model = build_hf_model(self.cfg.model)
+                self.model = self._make_model(True)
             # FSDP flattens parameters to 1-D shards, so decide what gets weight decay before wrapping.
             self._decay_names = {f"model.{n}" for n, p in self.model.named_parameters() if p.dim() >= 2}
 
@@ -177,8 +147,4 @@ class CausalLMModule(pl.LightningModule):
             if param.requires_grad:
                 (decay if clean_param_name(name) in self._decay_names else no_decay).append(param)
         groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
-        )
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, self.cfg.trainer.max_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return self._make_optimization(groups)

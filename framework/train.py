@@ -14,20 +14,28 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import datasets
+import lightning.pytorch as pl
 import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
-from shardlight.recipe import RecipeConfig, to_dict, to_yaml
+from shardlight.build import build_datamodule, build_hf_config, build_module, build_tokenizer, build_trainer
+from shardlight.build.optimizer import check_optimizer
+from shardlight.checkpoint import find_callback, resolve_resume
+from shardlight.data import check_data
 from shardlight.errors import ShardlightError
+from shardlight.export import export_checkpoint
 from shardlight.launch import launcher_named
+from shardlight.model import clean_param_name
+from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
+from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 
 def preflight(cfg: RecipeConfig):
     """Everything that can be checked without training: bad input fails here with one clear line."""
-    from shardlight.data import build_tokenizer, check_data
-    from shardlight.model import build_hf_config
-    from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
-
     check_data(cfg)
+    check_optimizer(cfg.optim, _uses_gpu(cfg))
     tokenizer = build_tokenizer(cfg)
     config = build_hf_config(cfg.model)
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -51,8 +59,6 @@ def preflight(cfg: RecipeConfig):
             "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
         )
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        from transformers import AutoModelForCausalLM
-
         # A model on the meta device costs no memory and shows the block classes before ranks spawn.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
@@ -74,134 +80,8 @@ def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
     return Path(cfg.output_dir).resolve() / cfg.name / launcher_named(ctx.launcher).run_dir_name(os.environ)
 
 
-def wandb_mode(cfg: RecipeConfig) -> str:
-    if cfg.logging.wandb.mode:
-        return cfg.logging.wandb.mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
-
-def _appending_csv_logger(run_dir: Path):
-    """Lightning's CSVLogger deletes an existing metrics.csv; a resumed (e.g. requeued) run must append."""
-    import csv
-
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-    from lightning.pytorch.loggers.logger import rank_zero_experiment
-
-    class AppendingWriter(ExperimentWriter):
-        def _check_log_dir_exists(self) -> None:
-            if self._fs.isfile(self.metrics_file_path):
-                with open(self.metrics_file_path, newline="") as fh:
-                    self.metrics_keys = list(csv.DictReader(fh).fieldnames or [])
-
-    class AppendingCSVLogger(CSVLogger):
-        @property
-        @rank_zero_experiment
-        def experiment(self) -> ExperimentWriter:
-            if self._experiment is None:
-                self._fs.makedirs(self.root_dir, exist_ok=True)
-                self._experiment = AppendingWriter(log_dir=self.log_dir)
-            return self._experiment
-
-    return AppendingCSVLogger(save_dir=str(run_dir), name="csv", version="")
-
-
-def build_loggers(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
-    run_dir = ctx.run_dir
-    from shardlight.callbacks import build_wandb_logger
-
-    loggers: List[Any] = []
-    if cfg.logging.csv:
-        loggers.append(_appending_csv_logger(run_dir))
-    if cfg.logging.wandb.enabled and wandb_mode(cfg) != "disabled":
-        wb = cfg.logging.wandb
-        # W&B failing (misconfigured, unwritable, unreachable) is a warning; the CSV twin keeps every metric.
-        logger = build_wandb_logger(
-            project=wb.project,
-            entity=wb.entity,
-            group=wb.group,
-            name=wb.name or f"{cfg.name}/{run_dir.name}",
-            tags=list(wb.tags) or None,
-            save_dir=str(run_dir),  # its default "." would override WANDB_DIR
-            mode=wandb_mode(cfg),
-            config=to_dict(cfg),
-            # A requeued Slurm job keeps its id (set in the sbatch script), so it continues the same W&B run.
-            **({"id": ctx.wandb_run_id, "resume": "allow"} if ctx.wandb_run_id else {}),
-        )
-        if logger is not None:
-            loggers.append(logger)
-    return loggers
-
-
-def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
-    from shardlight.callbacks import build_callbacks as build
-    from shardlight.checkpoint import build_checkpoint_callback
-
-    callbacks = build(cfg, ctx.run_dir)
-    checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
-    if ctx.launcher == "slurm":
-        from shardlight.callbacks.preemption import PreemptionCallback
-
-        launcher = launcher_named(ctx.launcher)
-        # SIGUSR1/SIGTERM: checkpoint, requeue, exit
-        callbacks.append(PreemptionCallback(requeue=lambda: launcher.requeue(ctx.job_id),
-                                            save_checkpoint=checkpoint.save if checkpoint is not None else None))
-    return callbacks + ([checkpoint] if checkpoint is not None else [])
-
-
-def build_strategy(cfg: RecipeConfig):
-    from datetime import timedelta
-
-    from shardlight.strategy import ShardlightFSDPStrategy
-
-    t = cfg.trainer
-    return ShardlightFSDPStrategy(
-        cfg.fsdp, precision=t.precision, num_nodes=t.num_nodes, devices=t.devices, num_threads=t.num_threads,
-        timeout=timedelta(seconds=t.collective_timeout_s),
-    )
-
-
-def build_trainer(cfg: RecipeConfig, ctx: RunContext):
-    import lightning.pytorch as pl
-
-    t = cfg.trainer
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-    # Lightning's own SLURM requeue saves inside the signal handler (hangs; Lightning #21406): ours doesn't.
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
-    return pl.Trainer(
-        plugins=plugins,
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
-        strategy=build_strategy(cfg),
-        precision=t.precision,
-        max_steps=t.max_steps,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        log_every_n_steps=t.log_every_n_steps,
-        # val_check_interval counts micro-batches; the recipe counts optimizer steps.
-        val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=-1 if t.limit_val_batches != 0 else 0,  # the pass before step 1 = first_val_loss
-        limit_val_batches=t.limit_val_batches,
-        enable_checkpointing=False,
-        enable_progress_bar=t.progress_bar,
-        enable_model_summary=False,
-        logger=build_loggers(cfg, ctx),
-        callbacks=build_callbacks(cfg, ctx),
-        default_root_dir=str(ctx.run_dir),
-        use_distributed_sampler=True,
-    )
-
-
 def save_hf_model(trainer, module, tokenizer, model_dir: Path) -> None:
     """Gather the full weights onto rank 0 and write ``save_pretrained`` safetensors + tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    from shardlight.model import clean_param_name
-
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else None
     if not trainer.is_global_zero:
         return
@@ -231,9 +111,6 @@ def verify_export(trainer, model_dir: Path, run_dir: Path, vocab_size: int, seed
 
     The batch and the reference logits are kept in the run dir so the check can be repeated offline.
     """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (2, 32), generator=generator)
     root = trainer.strategy.model
@@ -249,8 +126,6 @@ def verify_export(trainer, model_dir: Path, run_dir: Path, vocab_size: int, seed
 
 
 def _quiet_known_noise() -> None:
-    import datasets
-
     datasets.disable_progress_bars()
     # Our validation loss is already reduced across ranks; Lightning cannot know that.
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
@@ -259,31 +134,20 @@ def _quiet_known_noise() -> None:
 
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
     """The last checkpoint and, with ``export: true``, its verified Hugging Face export (rank 0)."""
-    from shardlight.checkpoint import find_callback
-
     callback = find_callback(trainer)
     saved = callback.last_saved if callback is not None else None
     out: Dict[str, Any] = {"checkpoint": str(saved) if saved else None}
     if cfg.export and saved is not None and trainer.is_global_zero:
-        from shardlight.export import export_checkpoint
-
         report = export_checkpoint(saved, run_dir / "export")
         out.update(export_dir=report["out"], checkpoint_export_max_abs_diff=report["max_abs_diff"])
     return out
 
 
 def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
-    import lightning.pytorch as pl
-
-    from shardlight.data import SFTDataModule
-    from shardlight.model import CausalLMModule
-
     started = time.time()
     _quiet_known_noise()
     tokenizer = preflight(cfg)
     run_dir = resolve_run_dir(ctx, cfg)
-    from shardlight.checkpoint import resolve_resume
-
     if not ctx.resume_decided:  # before anything is written: a bad checkpoint is one clear error
         ctx = ctx.replace(resume_from=resolve_resume(cfg), resume_decided=True)
     ctx = ctx.replace(run_dir=run_dir)
@@ -293,8 +157,8 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         (run_dir / "recipe.yaml").write_text(to_yaml(cfg))
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    module = CausalLMModule(cfg)
-    datamodule = SFTDataModule(cfg, tokenizer)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, tokenizer)
     trainer = build_trainer(cfg, ctx)
     trainer.fit(module, datamodule=datamodule)
     if getattr(trainer, "shardlight_preempted", False):

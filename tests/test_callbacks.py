@@ -89,7 +89,7 @@ def values(rows: list, key: str) -> list:
 def model_param_bytes() -> int:
     """Total parameter bytes of the default recipe's model, counted from the model itself."""
     from shardlight.recipe import load_recipe
-    from shardlight.model import build_hf_model
+    from shardlight.build import build_hf_model
 
     cfg = load_recipe(None, [])
     model = build_hf_model(cfg.model)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shardlight.recipe import RecipeConfig, load_recipe
-from shardlight.data import (IGNORE_INDEX, SFTDataModule, build_tokenizer, check_data, count_label_tokens)
+from shardlight.build import build_tokenizer
+from shardlight.data import IGNORE_INDEX, SFTDataModule, check_data, count_label_tokens
 from shardlight.errors import ShardlightError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -69,8 +69,8 @@ def reference_weights(recipe, world_size, accumulate=1):
     from torch.utils.data import DistributedSampler, default_collate
 
     from shardlight.recipe import load_recipe
-    from shardlight.data import SFTDataModule, build_tokenizer
-    from shardlight.model import CausalLMModule
+    from shardlight.build import build_module, build_tokenizer
+    from shardlight.data import SFTDataModule
 
     cfg = load_recipe(str(recipe), [f"trainer.devices={world_size}", f"trainer.accumulate_grad_batches={accumulate}"])
     datamodule = SFTDataModule(cfg, build_tokenizer(cfg))
@@ -81,7 +81,7 @@ def reference_weights(recipe, world_size, accumulate=1):
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.trainer.seed)
         sampler.set_epoch(0)
         order.append(list(sampler))
-    module = CausalLMModule(cfg)
+    module = build_module(cfg)
     module.configure_model()
     optim = module.configure_optimizers()
     optimizer, schedule = optim["optimizer"], optim["lr_scheduler"]["scheduler"]

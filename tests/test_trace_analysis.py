@@ -7,13 +7,14 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardlight.errors import ShardlightError
 from shardlight.trace import analyze_trace_file, analyze_traces, reader
 from shardlight.trace.classify import COMMUNICATION, COMPUTATION, MEMORY, OTHER, kernel_type, nccl_collective
 from shardlight.cli.main import main
-from shardlight.trace.intervals import merge_intervals, overlap_length, total_length
+from shardlight.trace.intervals import length, merge, overlap
 
 
 def _shared_traces() -> Path:
@@ -187,11 +188,17 @@ def test_float_timestamps_round_like_hta(tmp_path):
     assert result["compute_us"] == 80 - 1
 
 
+def _merged(*pairs):
+    ts, end = zip(*pairs)
+    return merge(np.array(ts), np.array(end))
+
+
 def test_interval_semantics():
-    assert merge_intervals([(0, 10), (10, 20), (21, 22)]) == [[0, 20], [21, 22]]
-    assert total_length(merge_intervals([(5, 4)])) == -1
-    assert overlap_length([[0, 10]], [[5, 20]]) == 5
-    assert overlap_length([[0, 10]], [[10, 20]]) == 0
+    starts, ends = _merged((0, 10), (10, 20), (21, 22))
+    assert list(zip(starts.tolist(), ends.tolist())) == [(0, 20), (21, 22)]  # touching intervals merge
+    assert length(_merged((5, 4))) == -1  # a rounded sub-microsecond kernel counts negative, as in HTA
+    assert overlap(_merged((0, 10)), _merged((5, 20))) == 5
+    assert overlap(_merged((0, 10)), _merged((10, 20))) == 0
 
 
 @pytest.mark.parametrize("name,kind,collective", [

@@ -60,10 +60,19 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak AdamW learning rate."})
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "AdamW betas."})
-    eps: float = field(default=1e-8, metadata={"non_negative": True, "help": "AdamW epsilon."})
-    weight_decay: float = field(default=0.0, metadata={"non_negative": True, "help": "AdamW decoupled weight decay."})
+    name: str = field(
+        default="adamw",
+        metadata={"allowed": ("adamw", "adam", "sgd", "adamw8bit"),
+                  "help": "adamw, adam, sgd (momentum betas[0]) or adamw8bit (bitsandbytes, GPU); the planner's names."},
+    )
+    lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak learning rate."})
+    betas: List[float] = field(
+        default_factory=lambda: [0.9, 0.95], metadata={"help": "Adam(W) betas; sgd uses betas[0] as momentum."}
+    )
+    eps: float = field(default=1e-8, metadata={"non_negative": True, "help": "Adam(W) epsilon."})
+    weight_decay: float = field(
+        default=0.0, metadata={"non_negative": True, "help": "Weight decay (decoupled for adamw, L2 for adam/sgd)."}
+    )
     warmup_steps: int = field(default=0, metadata={"non_negative": True, "help": "Linear warmup steps from 0 to lr."})
     schedule: str = field(default="cosine", metadata={"allowed": ('cosine', 'linear', 'constant'), "help": "cosine, linear or constant after warmup."})
     min_lr_ratio: float = field(default=0.1, metadata={"non_negative": True, "help": "Final lr as a fraction of lr (cosine, linear)."})

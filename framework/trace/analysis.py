@@ -6,13 +6,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from shardlight.errors import ShardlightError
-from shardlight.trace.metrics import (
-    UNASSIGNED_STEP,
-    analyze_record,
-    collect_step_names,
-    trace_mode,
-)
-from shardlight.trace.reader import TraceRecord, read_trace
+from shardlight.trace.metrics import UNASSIGNED_STEP, analyze_record, collect_step_names
+from shardlight.trace.reader import read_trace
+from shardlight.trace.records import TraceRecord
+from shardlight.trace.sources import source_for
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 
@@ -40,7 +37,7 @@ def _load_directory(directory: Path, skipped: list[dict[str, str]]) -> list[Trac
     for candidate in candidates:
         try:
             record = read_trace(candidate)
-            trace_mode(record)
+            source_for(record)  # a file no source can analyse is skipped here, not failed on later
         except ShardlightError as exc:
             # A directory may hold other JSON (configs, reports); skip those, but say so.
             skipped.append({"file": str(candidate), "reason": str(exc)})
@@ -69,7 +66,7 @@ def load_traces(paths: Iterable[str | Path]) -> tuple[list[TraceRecord], list[di
             records.extend(_load_directory(path, skipped))
         elif path.exists():
             record = read_trace(path)
-            trace_mode(record)
+            source_for(record)
             records.append(record)
         else:
             raise ShardlightError(f"{path}: no such file or directory")

@@ -18,6 +18,9 @@ cut into chunks of whole events and each chunk gets:
 occurs (one anywhere makes HTA round the whole file), where the array may end and where
 ``ProfilerStep`` occurs.
 
+CPU rows are not kept here (the Collector gets no prefixes): :mod:`shardlight.trace.reader` uses
+this pass only for a file with device rows, which a device source analyses.
+
 A chunk whose counts disagree (another key order, a negative id, an unexpected category) is
 decoded event by event instead (``_scan_pieces``). Anything else unexpected -- a separator inside
 a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file is read in full
@@ -140,7 +143,7 @@ class _Window:
 
 def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
     """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
-    record = TraceRecord(path=str(path), rank=0, rank_from_metadata=False)
+    record = TraceRecord(path=str(path), rank=0)
     try:
         chunks = Chunks(path, chunk_chars // 2)  # see Chunks.__init__ on the size
     except OSError:
@@ -192,7 +195,6 @@ def _top_object(window: _Window, scanner: _Scanner, record: TraceRecord) -> bool
                 if rank < 0:
                     raise FastPathMiss("bad rank")
                 record.rank = rank
-                record.rank_from_metadata = True
         if window.expect(b",}") == ord("}"):
             return saw_events
 
@@ -240,7 +242,7 @@ def _texts(raw: tuple[bytes, ...]) -> list[str]:
 class _Scanner:
     def __init__(self, record: TraceRecord):
         self.record = record
-        self.collector = Collector(record)
+        self.collector = Collector(record, cpu_prefixes=())
 
     def events(self, window: _Window) -> None:
         """Everything from after traceEvents' "[" to after its "]"."""

@@ -19,11 +19,8 @@ summation.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
-
 import numpy as np
 
-Interval = tuple  # (ts, end, ...): extra fields are ignored here
 Merged = tuple  # (starts, ends): numpy arrays, ordered by start
 
 
@@ -74,34 +71,3 @@ def overlap(first: Merged, second: Merged) -> float | int:
     both = np.flatnonzero(running[:-1] == 3)
     return total(instants[both + 1] - instants[both])
 
-
-def as_arrays(intervals: Iterable[Interval]) -> tuple[np.ndarray, np.ndarray]:
-    items = [(item[0], item[1]) for item in intervals]
-    if not items:
-        return np.array([], dtype=np.int64), np.array([], dtype=np.int64)
-    ts, end = zip(*items)
-    return np.array(ts), np.array(end)
-
-
-# The list-based forms of the same operations.
-
-def merge_intervals(intervals: Iterable[Interval]) -> list[list[float]]:
-    """Merge like ``hta.utils.utils.merge_kernel_intervals``; returns ``[[ts, end], ...]`` by start."""
-    starts, ends = merge(*as_arrays(intervals))
-    return [list(pair) for pair in zip(starts.tolist(), ends.tolist())]
-
-
-def total_length(merged: Sequence[Sequence[float]]) -> float:
-    return sum(end - ts for ts, end in merged)
-
-
-def span(merged: Sequence[Sequence[float]]) -> float:
-    """HTA's ``kernel_time``: end of the last merged group minus start of the first."""
-    if not merged:
-        return 0
-    return merged[-1][1] - merged[0][0]
-
-
-def overlap_length(first: Sequence[Sequence[float]], second: Sequence[Sequence[float]]) -> float:
-    """Time during which both merged interval sets are active (HTA's status sweep)."""
-    return overlap(as_arrays(first), as_arrays(second))

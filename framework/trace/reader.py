@@ -4,7 +4,8 @@
 be sure of a file (a CPU-only gloo trace, an unusual layout, bad input) the file is read here
 instead: the top-level object is walked key by key and ``traceEvents`` is decoded one event at
 a time with the C JSON scanner, so peak memory is one read chunk plus the compact records (a
-1 GB trace does not become 10 GB of dicts). This path also produces every error message.
+1 GB trace does not become 10 GB of dicts). This path also produces every error message, and
+keeps the CPU rows the registered sources ask for (:data:`shardlight.trace.sources.CPU_PREFIXES`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 
 from shardlight.errors import ShardlightError
 from shardlight.trace import fastscan
-from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, CpuRow, GpuRow, TraceRecord, as_int
+from shardlight.trace.records import Collector, TraceRecord, as_int
+from shardlight.trace.sources import CPU_PREFIXES
 
-__all__ = ["SYNC_EVENT_NAMES", "CpuRow", "GpuRow", "TraceRecord", "read_trace"]
+__all__ = ["read_trace"]
 
 # Chunk size of both paths (decompressed bytes or chars); tests shrink it to hit chunk edges.
 _CHUNK_CHARS = 1 << 20
@@ -95,9 +97,9 @@ def _open_text(path: Path) -> io.TextIOBase:
 def read_trace(path: str | Path) -> TraceRecord:
     """Parse one trace file (``.json`` or gzip, detected by content) into a TraceRecord.
 
-    The fast scanner handles GPU traces; a file it is not sure of, or one without GPU rows,
-    is read again in full. Raises ShardlightError with a one-line message naming the file for
-    unreadable, corrupt, truncated or non-trace input.
+    The fast scanner handles GPU traces; a file it is not sure of, or one without device rows
+    (the fast scanner keeps no CPU rows), is read again in full. Raises ShardlightError with a
+    one-line message naming the file for unreadable, corrupt, truncated or non-trace input.
     """
     try:
         record = fastscan.scan_trace(Path(path), _CHUNK_CHARS)
@@ -109,8 +111,8 @@ def read_trace(path: str | Path) -> TraceRecord:
 
 
 def _read_trace(path: Path) -> TraceRecord:
-    record = TraceRecord(path=str(path), rank=0, rank_from_metadata=False)
-    collector = Collector(record)
+    record = TraceRecord(path=str(path), rank=0)
+    collector = Collector(record, CPU_PREFIXES)
     saw_events = False
     try:
         with _open_text(path) as handle:
@@ -167,7 +169,6 @@ def _read_top_object(stream: _TextStream, collector: Collector, record: TraceRec
                 if rank < 0:
                     raise ShardlightError(f"{record.path}: distributedInfo.rank is not a rank: {value.get('rank')!r}")
                 record.rank = rank
-                record.rank_from_metadata = True
         if stream.expect(",}") == "}":
             return saw_events
 

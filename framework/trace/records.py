@@ -34,7 +34,6 @@ class CpuRow:
 class TraceRecord:
     path: str
     rank: int
-    rank_from_metadata: bool
     # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
     float_timestamps: bool = False
     # Device rows (args.stream != -1: what HTA's GPU analyses look at) by column: the fast
@@ -56,7 +55,6 @@ class TraceRecord:
     # name prefix -> the CPU rows (stream -1, not ProfilerStep) starting with it, in trace order;
     # only the prefixes the Collector was given, and none on the fast path (see fastscan).
     cpu_rows: dict[str, list[CpuRow]] = field(default_factory=dict)
-    event_count: int = 0
 
     def rows(self, prefix: str) -> list[CpuRow]:
         """The CPU rows whose name starts with ``prefix`` (empty if it was not collected)."""
@@ -98,7 +96,6 @@ class Collector:
         record = self.record
         if not isinstance(event, dict):
             return
-        record.event_count += 1
         ts = event.get("ts")
         if ts is None or isinstance(ts, float):
             record.float_timestamps = True

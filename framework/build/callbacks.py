@@ -1,0 +1,24 @@
+"""The run's callbacks: the observability callbacks a recipe's ``callbacks:`` section enables, sharded
+checkpoints (and resume), and preemption handling when a scheduler can requeue the job."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from shardlight.callbacks import build_callbacks as build_observability_callbacks
+from shardlight.callbacks.preemption import PreemptionCallback
+from shardlight.checkpoint import build_checkpoint_callback
+from shardlight.launch import launcher_named
+from shardlight.recipe import RecipeConfig
+from shardlight.runtime import RunContext
+
+
+def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
+    callbacks = build_observability_callbacks(cfg, ctx.run_dir)
+    checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
+    if ctx.launcher == "slurm":
+        launcher = launcher_named(ctx.launcher)
+        # SIGUSR1/SIGTERM: checkpoint at the next step boundary, requeue, exit.
+        callbacks.append(PreemptionCallback(requeue=lambda: launcher.requeue(ctx.job_id),
+                                            save_checkpoint=checkpoint.save if checkpoint is not None else None))
+    return callbacks + ([checkpoint] if checkpoint is not None else [])

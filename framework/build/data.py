@@ -1,0 +1,30 @@
+"""The tokenizer and the data module a recipe's ``tokenizer:`` and ``data:`` sections describe."""
+
+from __future__ import annotations
+
+from shardlight.data import SFTDataModule
+from shardlight.errors import ShardlightError, first_line
+from shardlight.recipe import RecipeConfig
+
+
+def build_tokenizer(cfg: RecipeConfig):
+    """``AutoTokenizer`` for the recipe, with a pad token (falls back to eos) and an eos token guaranteed."""
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
+    hint = "set tokenizer.name_or_path to a local directory or hub id"
+    if not name:
+        raise ShardlightError(f"tokenizer not found: neither tokenizer.name_or_path nor model.name_or_path is set; {hint}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.tokenizer.trust_remote_code)
+    except Exception as exc:  # OSError, HFValidationError, ValueError, connection errors offline...
+        raise ShardlightError(f"tokenizer not found: {name} ({first_line(exc)}); {hint}") from None
+    if tokenizer.eos_token_id is None:
+        raise ShardlightError(f"tokenizer {name} has no eos token; SFT needs one to mark the end of an answer")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_datamodule(cfg: RecipeConfig, tokenizer) -> SFTDataModule:
+    return SFTDataModule(cfg, tokenizer)
