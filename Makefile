@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardlight-installed
 
-.PHONY: setup train test bench clean docs
+.PHONY: setup train test lint bench clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,14 +22,24 @@ setup: $(STAMP)
 train: setup
 	WANDB_SILENT=true $(BIN)/shardlight train $(RECIPE) $(ARGS)
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Habits checked on every test run: ruff, and the import contracts in pyproject.toml. The contracts are
+# checked on the installed layout, callbacks/, launch/ and recipes/ inside shardlight/ (pyproject's
+# package-dir mapping), which is what this copy lays out.
+LINT_SITE := build/lint-site
+lint: setup
+	$(BIN)/ruff check .
+	rm -rf $(LINT_SITE) && mkdir -p $(LINT_SITE)
+	cp -r framework $(LINT_SITE)/shardlight && cp -r callbacks launch recipes $(LINT_SITE)/shardlight/
+	PYTHONPATH=$(LINT_SITE) $(BIN)/lint-imports
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "# $$b" >&2; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build
 
 # Regenerate the README's recipe reference table from the schema.
 docs: setup

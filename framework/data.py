@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardlight.recipe import DataConfig, RecipeConfig
 from shardlight.errors import ShardlightError, first_line
+from shardlight.recipe import DataConfig, RecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,8 @@ class SFTDataModule(pl.LightningDataModule):
         if val_tok is not None:
             self.val_dataset = make_blocks(val_tok, d.seq_len, pad_id, d.packing, keep_partial=True)
         val_rows = len(val) if val is not None else 0
-        self.stats = {"train_examples": len(train), "train_sequences": len(self.train_dataset), "val_examples": val_rows,
+        self.stats = {"train_examples": len(train), "train_sequences": len(self.train_dataset),
+                      "val_examples": val_rows,
                       "val_sequences": len(self.val_dataset) if self.val_dataset is not None else 0}
         world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
         need = self.cfg.trainer.micro_batch_size * world

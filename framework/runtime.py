@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
+from shardlight.launch import Launcher, detect_launcher
 from shardlight.launch.base import (
     ENV_FAULT_KILL_IN_SAVE_STEP,
     ENV_RESUME_FROM,
     ENV_RUN_DIR,
     ENV_WANDB_RUN_ID,
-    RUN_ENV_VARS,
 )
-from shardlight.launch import Launcher, detect_launcher
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,10 @@ builders, fit, final validation, export of the full model with ``save_pretrained
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import datasets
 import lightning.pytorch as pl
@@ -31,6 +29,7 @@ from shardlight.model import clean_param_name
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
+
 
 def preflight(cfg: RecipeConfig):
     """Everything that can be checked without training: bad input fails here with one clear line."""
@@ -77,7 +76,7 @@ def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
     inherit it through ``RunContext``; the launcher names it."""
     if ctx.run_dir is not None:
         return ctx.run_dir
-    return Path(cfg.output_dir).resolve() / cfg.name / launcher_named(ctx.launcher).run_dir_name(os.environ)
+    return Path(cfg.output_dir).resolve() / cfg.name / launcher_named(ctx.launcher).run_dir_name(ctx.job_id)
 
 
 def save_hf_model(trainer, module, tokenizer, model_dir: Path) -> None:

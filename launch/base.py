@@ -12,7 +12,7 @@ each other (parent → ranks, sbatch script → job); ``shardlight.runtime.RunCo
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Dict, Mapping, Optional, Protocol
+from typing import Any, Dict, List, Mapping, Optional, Protocol
 
 ENV_RUN_DIR = "SHARDLIGHT_RUN_DIR"
 ENV_RESUME_FROM = "SHARDLIGHT_RESUME_FROM"  # "" means "decided: start fresh"
@@ -35,13 +35,16 @@ class Launcher(Protocol):
         """The global rank of the current process."""
 
     def job_id(self, env: Mapping[str, str]) -> Optional[str]:
-        """The scheduler's job id, if there is one."""
+        """The scheduler's job id (or the launcher's run id), if there is one."""
 
-    def run_dir_name(self, env: Mapping[str, str]) -> str:
+    def run_dir_name(self, job_id: Optional[str]) -> str:
         """The run dir's name under ``output_dir/<recipe>/``, the same on every rank of one run."""
 
     def requeue(self, job_id: Optional[str]) -> str:
         """Put the job back in the queue after a preemption; a one-line account of what happened."""
+
+    def lightning_plugins(self) -> List[Any]:
+        """Lightning plugins this launcher needs (a cluster environment that reads its ranks), if any."""
 
 
 def _timestamp() -> str:
@@ -72,11 +75,14 @@ class LocalLauncher:
     def job_id(self, env: Mapping[str, str]) -> Optional[str]:
         return None
 
-    def run_dir_name(self, env: Mapping[str, str]) -> str:
+    def run_dir_name(self, job_id: Optional[str]) -> str:
         return _timestamp()
 
     def requeue(self, job_id: Optional[str]) -> str:
         return "preempted outside a scheduler: checkpoint saved, nothing to requeue"
+
+    def lightning_plugins(self) -> List[Any]:
+        return []
 
 
 class LightningLauncher(LocalLauncher):
@@ -100,8 +106,11 @@ class TorchrunLauncher(LightningLauncher):
     def detect(self, env: Mapping[str, str]) -> bool:
         return "TORCHELASTIC_RUN_ID" in env
 
-    def run_dir_name(self, env: Mapping[str, str]) -> str:
-        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    def job_id(self, env: Mapping[str, str]) -> Optional[str]:
+        return env.get("TORCHELASTIC_RUN_ID")
+
+    def run_dir_name(self, job_id: Optional[str]) -> str:
+        return f"torchrun-{job_id}" if job_id else _timestamp()
 
 
 def without_run_env(environ: Mapping[str, str]) -> Dict[str, str]:

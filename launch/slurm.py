@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from shardlight import __version__
 from shardlight.errors import ShardlightError
@@ -78,8 +78,8 @@ class SlurmLauncher(LightningLauncher):
     def job_id(self, env: Mapping[str, str]) -> Optional[str]:
         return env.get("SLURM_JOB_ID")
 
-    def run_dir_name(self, env: Mapping[str, str]) -> str:
-        return run_dir_name(env.get("SLURM_JOB_ID"))
+    def run_dir_name(self, job_id: Optional[str]) -> str:
+        return run_dir_name(job_id)
 
     def requeue(self, job_id: Optional[str]) -> str:
         if not job_id:
@@ -88,6 +88,14 @@ class SlurmLauncher(LightningLauncher):
         if result.returncode != 0:
             return f"scontrol requeue {job_id} failed: {result.stderr.strip()}"
         return f"requeued Slurm job {job_id}"
+
+    def lightning_plugins(self) -> List[Any]:
+        # Lightning imported only here: the launchers are read by every command, most never train.
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        # Lightning's own SLURM requeue saves inside the signal handler (hangs; Lightning #21406); ours
+        # (callbacks/preemption.py) does not. Lightning ignores interactive jobs (named bash/interactive).
+        return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
 def run_dir_name(job_id: Optional[str]) -> str:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from shardlight.launch.base import without_run_env
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "recipes" / "tiny-llama-sft.yaml"
 
@@ -19,10 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def run_cli(args, cwd=None, timeout=600, env=None):
     """Run ``python -m shardlight.cli ARGS`` in a fresh process (each Lightning fit gets its own)."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.pop("LOCAL_RANK", None)
-    full_env.pop("SHARDLIGHT_RUN_DIR", None)
+    # A fresh run: nothing of a surrounding run (its dir, resume decision, rank) leaks into it.
+    full_env = without_run_env(os.environ)
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "shardlight.cli", *args],

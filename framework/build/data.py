@@ -14,7 +14,8 @@ def build_tokenizer(cfg: RecipeConfig):
     name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
     hint = "set tokenizer.name_or_path to a local directory or hub id"
     if not name:
-        raise ShardlightError(f"tokenizer not found: neither tokenizer.name_or_path nor model.name_or_path is set; {hint}")
+        raise ShardlightError(
+            f"tokenizer not found: neither tokenizer.name_or_path nor model.name_or_path is set; {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.tokenizer.trust_remote_code)
     except Exception as exc:  # OSError, HFValidationError, ValueError, connection errors offline...

@@ -32,7 +32,8 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from None
 
 
-def build_hf_model(cfg: ModelConfig, weights: bool = True, config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
+def build_hf_model(cfg: ModelConfig, weights: bool = True,
+                   config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
     """``from_pretrained`` for a path or hub id, ``from_config`` for an inline config (or ``weights=False``)."""
     kwargs: Dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:

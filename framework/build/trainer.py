@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from shardlight.build.callbacks import build_callbacks
 from shardlight.build.loggers import build_loggers
 from shardlight.build.strategy import build_strategy
+from shardlight.launch import launcher_named
 from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
 
 def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
     t = cfg.trainer
-    # Lightning's own SLURM requeue saves inside the signal handler (hangs; Lightning #21406): ours doesn't.
-    plugins = [SLURMEnvironment(auto_requeue=False)] if ctx.launcher == "slurm" and SLURMEnvironment.detect() else None
     return pl.Trainer(
-        plugins=plugins,
+        plugins=launcher_named(ctx.launcher).lightning_plugins() or None,
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,

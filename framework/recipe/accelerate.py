@@ -16,7 +16,6 @@ import yaml
 from shardlight.errors import ShardlightError
 from shardlight.recipe.schema import FSDPConfig
 
-
 _ACCELERATE_TOP_LEVEL_IGNORED = {
     "compute_environment", "debug", "downcast_bf16", "machine_rank", "main_training_function", "rdzv_backend",
     "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "enable_cpu_affinity", "main_process_ip",

@@ -49,7 +49,8 @@ def validate(cfg: RecipeConfig) -> None:
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ShardlightError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.trainer.gradient_clip_val is not None and cfg.trainer.gradient_clip_val <= 0:
-        raise ShardlightError(f"trainer.gradient_clip_val must be positive or null, got {cfg.trainer.gradient_clip_val}")
+        raise ShardlightError(
+            f"trainer.gradient_clip_val must be positive or null, got {cfg.trainer.gradient_clip_val}")
     if (cfg.model.name_or_path is None) == (cfg.model.config is None):
         raise ShardlightError("model: set exactly one of model.name_or_path (pretrained) or model.config (inline)")
     if cfg.model.config is not None and "model_type" not in cfg.model.config:

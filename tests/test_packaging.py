@@ -1,0 +1,85 @@
+"""The wheel: built from this checkout, installed (not editable) into a fresh venv, it trains the shipped default
+recipe from an unrelated directory, and installs no top-level import name but ``shardlight``."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+# Folder in the repository → its package (pyproject's package-dir mapping).
+PACKAGE_ROOTS = {"framework": "shardlight", "callbacks": "shardlight.callbacks", "launch": "shardlight.launch",
+                 "recipes": "shardlight.recipes"}
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, package in PACKAGE_ROOTS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([package, *rel.parts]) if rel.parts else package)
+    assert found == listed, f"pyproject packages: missing {sorted(found - listed)}, extra {sorted(listed - found)}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    # Built from a copy of the files git would commit: what a clean clone holds, and no stale build/ dir.
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.check_output(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, text=True).split()
+    for name in files:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    # No build isolation: setuptools from this venv, so building needs no download.
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                             "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = out.glob("shardlight-*.whl")
+    return path
+
+
+def test_wheel_installs_only_the_shardlight_namespace_and_ships_the_recipes(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"shardlight"}, sorted(top)
+    for shipped in ("shardlight/recipes/tiny-llama-sft.yaml", "shardlight/recipes/data/tiny_sft_train.jsonl",
+                    "shardlight/recipes/assets/tiny-tokenizer/tokenizer.json", "shardlight/callbacks/comm.py",
+                    "shardlight/launch/slurm.py", "shardlight/cli/main.py"):
+        assert shipped in names, shipped
+    assert not any(name.startswith(("tests/", "benchmarks/", "framework/")) for name in names)
+
+
+def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([str(venv / "bin" / "python"), "-c", purelib], text=True).strip())
+    # torch and the other dependencies come from this venv (a path, so its editable-install hook is not run);
+    # shardlight itself only from the wheel, unpacked into the fresh venv's own site-packages, which comes first.
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # This venv's pip installs into the fresh one (--python): the wheel alone, no index, console script included.
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                              "--no-deps", "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "SHARDLIGHT_RUN_DIR")}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import shardlight; print(shardlight.__file__)"],
+                           cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr
+    result = subprocess.run(
+        [str(venv / "bin" / "shardlight"), "train", "trainer.max_steps=3", "trainer.val_every_n_steps=3",
+         "output_dir=runs",
+         "callbacks.comm.enabled=false", "trainer.progress_bar=false"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "shardlight: 3 steps" in result.stdout
+    (run_dir,) = (work / "runs" / "tiny-llama-sft").iterdir()
+    assert (run_dir / "model" / "config.json").is_file() and (run_dir / "summary.json").is_file()
