@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
 from shardlight.trace import analyze_trace_file, analyze_traces, reader
 from shardlight.trace.classify import COMMUNICATION, COMPUTATION, MEMORY, OTHER, kernel_type, nccl_collective
-from shardlight.cli.main import main
 from shardlight.trace.intervals import length, merge, overlap
 
 

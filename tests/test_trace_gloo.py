@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardlight.trace import analyze_traces  # noqa: E402
 from shardlight.cli.main import main  # noqa: E402
+from shardlight.trace import analyze_traces  # noqa: E402
 
 RECORD_SCRIPT = textwrap.dedent(
     """

@@ -1,4 +1,15 @@
-"""Trace analysis: communication vs computation from PyTorch profiler traces (``shardlight analyze``)."""
+"""Trace analysis: communication vs computation from PyTorch profiler traces (``shardlight analyze``).
+
+The layers, each importing only the ones above it:
+
+* reading: ``chunks`` (decompressed bytes and byte facts) -> ``fastscan`` (GPU traces by regex)
+  and ``reader`` (the full read, errors) -> ``records`` (the backend-neutral TraceRecord);
+* ``events``: the Events a source hands the metrics, and HTA's rounding and last-step filter;
+* ``sources``: one module per communication backend (``nccl``, ``gloo``) behind one interface,
+  and the registry that picks the source of a record;
+* ``intervals`` and ``metrics``: HTA-compatible measures of one rank's events;
+* ``analysis``: the public API over files, directories and ranks; ``report``: table, JSON, plot.
+"""
 
 from shardlight.trace.analysis import analyze_trace_file, analyze_traces
 

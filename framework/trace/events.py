@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from shardlight.trace.records import TraceRecord
 
 COMMUNICATION = "communication"

@@ -21,6 +21,7 @@ import re
 from typing import Any, Iterable
 
 import numpy as np
+
 from shardlight.errors import ShardlightError
 from shardlight.trace.events import COMMUNICATION_CODE, COMPUTATION_CODE, UNKNOWN_COLLECTIVE, Events, TimeRules
 from shardlight.trace.intervals import length, merge, overlap, span_of

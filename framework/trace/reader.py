@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlight.errors import ShardlightError
-from shardlight.trace import fastscan
+from shardlight.trace.fastscan import FastPathMiss, scan_trace
 from shardlight.trace.records import Collector, TraceRecord, as_int
 from shardlight.trace.sources import CPU_PREFIXES
 
@@ -102,10 +102,10 @@ def read_trace(path: str | Path) -> TraceRecord:
     one-line message naming the file for unreadable, corrupt, truncated or non-trace input.
     """
     try:
-        record = fastscan.scan_trace(Path(path), _CHUNK_CHARS)
+        record = scan_trace(Path(path), _CHUNK_CHARS)
         if record.gpu_ts:
             return record
-    except fastscan.FastPathMiss:
+    except FastPathMiss:
         pass
     return _read_trace(Path(path))
 

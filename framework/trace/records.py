@@ -33,7 +33,7 @@ class CpuRow:
 @dataclass
 class TraceRecord:
     path: str
-    rank: int
+    rank: int  # distributedInfo.rank; 0 when the file has none
     # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
     float_timestamps: bool = False
     # Device rows (args.stream != -1: what HTA's GPU analyses look at) by column: the fast

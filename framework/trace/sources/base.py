@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import numpy as np
+
 from shardlight.trace.events import COMMUNICATION_CODE, KIND_CODES, Events, TimeRules
 from shardlight.trace.records import TraceRecord
 
