@@ -1,87 +1,57 @@
-"""One Lightning Callback per concern: communication time, memory headroom, throughput.
+"""The observability callbacks, one Lightning Callback per concern, and their registry.
 
-``build_callbacks(cfg, run_dir)`` (called on every rank) returns the callbacks a recipe's ``callbacks:``
-section enables, plus the end-of-run per-rank table. Everything is logged by rank 0 through the trainer's
-Lightning loggers (W&B and the CSV twin); see each module's docstring for its metrics.
+* ``comm`` (``CommTimeCallback``): communication vs compute time, from short profiler windows;
+* ``memory`` (``MemoryHeadroomCallback``): memory headroom and the local shard's bytes per rank;
+* ``throughput`` (``ThroughputCallback``): tokens/s per device, MFU, scaling efficiency;
+* ``rank_table`` (``RankTableCallback``): the end-of-run per-rank table; not recipe-configured, added after
+  the others whenever any is enabled;
+* ``_common``: what they share (``Shared``, the ``RankTable``, gathering and logging helpers);
+* ``preemption``: not an observability callback (no recipe section); ``shardlight.build`` adds it.
+
+Each registered module exports
+
+* ``Config``: a dataclass, the recipe section ``callbacks.<name>``; its first field is ``enabled: bool``;
+  every field has its help text and ``allowed`` / ``positive`` / ``non_negative`` rules in its metadata
+  (checked once, by the recipe validator; ``every_n_steps: null`` means the trainer's
+  ``log_every_n_steps``, read at run time with ``_common.interval``);
+* ``build(config, ctx, shared) -> Callback``: called on every rank for an enabled section, with the
+  ``RunContext`` and the run's ``Shared`` state.
+
+The recipe schema's ``callbacks:`` section is generated from ``REGISTRY``, so adding a callback is one module
+(``Config`` + ``build``) and one line in ``REGISTRY``: its keys, validation, did-you-mean and README row
+(``make docs``) follow. Callbacks never import the recipe (they sit below it).
+
+Everything is logged by rank 0 through the trainer's Lightning loggers (W&B and the CSV twin); see each
+module's docstring for its metrics.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, List, Optional
+from types import ModuleType
+from typing import Any, Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from shardlight.callbacks._common import RankTable, log_table
+from shardlight.callbacks import comm, memory, rank_table, throughput
+from shardlight.callbacks._common import Shared
+from shardlight.runtime import RunContext
 
-RANK_TABLE_KEY = "ranks/table"
-RANK_TABLE_CSV = "ranks.csv"
-
-
-class RankTableCallback(Callback):
-    """At the end of training: one W&B Table with each rank's latest comm and memory values, and its
-    CSV twin ``run_dir/ranks.csv``. Runs after the callbacks that fill the table."""
-
-    def __init__(self, table: RankTable, run_dir: Path) -> None:
-        self.table = table
-        self.run_dir = Path(run_dir)
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.is_global_zero or not self.table.rows:
-            return
-        log_table(trainer, RANK_TABLE_KEY, self.table.columns(), self.table.as_rows(),
-                  csv_path=self.run_dir / RANK_TABLE_CSV)
+# Recipe section name → module with ``Config`` and ``build``; built (and run) in this order.
+REGISTRY: Dict[str, ModuleType] = {"comm": comm, "memory": memory, "throughput": throughput}
 
 
-def _positive(name: str, value: Optional[int], allow_none: bool = False) -> None:
-    from shardlight.errors import ShardlightError
-
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or value <= 0:
-        raise ShardlightError(f"{name} must be a positive integer{' or null' if allow_none else ''}, got {value}")
-
-
-def build_callbacks(cfg: Any, run_dir: Any) -> List[Any]:
-    """The callbacks the recipe enables (comm, memory, throughput) and the per-rank end table."""
-    from shardlight.callbacks.comm import CommTimeCallback
-    from shardlight.callbacks.memory import MemoryHeadroomCallback
-    from shardlight.callbacks.throughput import ThroughputCallback
-
-    section = getattr(cfg, "callbacks", None)
-    if section is None:
-        return []
-    run_dir = Path(run_dir)
-    table = RankTable()
-    callbacks: List[Any] = []
-    comm, memory, throughput = section.comm, section.memory, section.throughput
-    if comm.enabled:
-        _positive("callbacks.comm.every_n_steps", comm.every_n_steps)
-        _positive("callbacks.comm.active", comm.active)
-        if comm.wait < 0 or comm.warmup < 0:
-            from shardlight.errors import ShardlightError
-
-            raise ShardlightError("callbacks.comm.wait and callbacks.comm.warmup must not be negative")
-        callbacks.append(CommTimeCallback(
-            run_dir, every_n_steps=comm.every_n_steps, first_step=comm.first_step, wait=comm.wait,
-            warmup=comm.warmup, active=comm.active, per_rank=comm.per_rank, keep_windows=comm.keep_windows,
-            table=table,
-        ))
-    if memory.enabled:
-        _positive("callbacks.memory.every_n_steps", memory.every_n_steps, allow_none=True)
-        callbacks.append(MemoryHeadroomCallback(every_n_steps=memory.every_n_steps, per_rank=memory.per_rank,
-                                                table=table))
-    if throughput.enabled:
-        _positive("callbacks.throughput.every_n_steps", throughput.every_n_steps, allow_none=True)
-        trust = bool(getattr(getattr(cfg, "model", None), "trust_remote_code", False))
-        callbacks.append(ThroughputCallback(
-            every_n_steps=throughput.every_n_steps, peak_tflops=throughput.peak_tflops,
-            peak_tflops_table=dict(throughput.peak_tflops_table or {}), baseline_file=throughput.baseline_file,
-            measure_flops=throughput.measure_flops, trust_remote_code=trust,
-        ))
-    if comm.enabled or memory.enabled:
-        callbacks.append(RankTableCallback(table, run_dir))
+def build_enabled(configs: Any, ctx: RunContext, shared: Optional[Shared] = None) -> List[Callback]:
+    """The callbacks ``configs`` (the recipe's ``callbacks:`` section: one ``Config`` per registry name)
+    enables, in registry order, then the per-rank end table. Called on every rank."""
+    shared = Shared() if shared is None else shared
+    callbacks: List[Callback] = []
+    for name, module in REGISTRY.items():
+        config = getattr(configs, name)
+        if config.enabled:
+            callbacks.append(module.build(config, ctx, shared))
+    if callbacks:
+        callbacks.append(rank_table.build(ctx, shared))  # last: it writes what the others put in the table
     return callbacks
 
 
-__all__ = ["build_callbacks", "RankTableCallback"]
+__all__ = ["REGISTRY", "Shared", "build_enabled"]

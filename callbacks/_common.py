@@ -1,29 +1,24 @@
-"""Helpers shared by the observability callbacks: cross-rank gathering, logging, W&B grouping, tensors."""
+"""What the observability callbacks share: the ``Shared`` state one run's callbacks are built with (the
+per-rank ``RankTable``), and helpers: cross-rank gathering, logging through Lightning's loggers, W&B
+grouping, the logging interval, local tensor bytes. Nothing here is a callback."""
 
 from __future__ import annotations
 
-import csv
 import math
-import warnings
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
 
+import lightning.pytorch as pl
 import torch
 
+from shardlight.errors import warn
+
 GB = 1e9  # the *_gb metrics are decimal gigabytes (10^9 bytes)
-
-
-def warn(message: str) -> None:
-    """A visible warning that never stops training (prefixed so it is easy to grep for)."""
-    warnings.warn(f"shardlight: {message}", RuntimeWarning, stacklevel=2)
+DEFAULT_INTERVAL = 50  # steps, when neither the callback nor the trainer sets one
 
 
 def dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def world_size() -> int:
-    return torch.distributed.get_world_size() if dist_ready() else 1
 
 
 def rank() -> int:
@@ -43,7 +38,12 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def log_metrics(trainer: Any, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+def interval(trainer: pl.Trainer, every_n_steps: Optional[int]) -> int:
+    """Steps between a callback's logs: its ``every_n_steps``, or (null) the trainer's ``log_every_n_steps``."""
+    return max(1, every_n_steps or trainer.log_every_n_steps or DEFAULT_INTERVAL)
+
+
+def log_metrics(trainer: pl.Trainer, metrics: Dict[str, float], step: Optional[int] = None) -> None:
     """Rank 0 hands ``metrics`` to every Lightning logger (W&B and the CSV twin); one failing logger
     is a warning and does not keep the others from getting the metrics."""
     if not trainer.is_global_zero or not metrics:
@@ -57,7 +57,7 @@ def log_metrics(trainer: Any, metrics: Dict[str, float], step: Optional[int] = N
             warn(f"{type(logger).__name__} could not log metrics: {type(exc).__name__}: {exc}")
 
 
-def wandb_runs(trainer: Any) -> List[Any]:
+def wandb_runs(trainer: pl.Trainer) -> List[Any]:
     """The live W&B runs behind the trainer's loggers (rank 0 only; none when W&B is off or broken)."""
     if not trainer.is_global_zero:
         return []
@@ -77,7 +77,7 @@ def wandb_runs(trainer: Any) -> List[Any]:
     return runs
 
 
-def define_wandb_group(trainer: Any, prefix: str, summaries: Optional[Dict[str, str]] = None) -> None:
+def define_wandb_group(trainer: pl.Trainer, prefix: str, summaries: Optional[Dict[str, str]] = None) -> None:
     """``define_metric`` so a group (``comm/*``, ``memory/*``, ...) shares the step axis and panel section."""
     for run in wandb_runs(trainer):
         try:
@@ -86,33 +86,6 @@ def define_wandb_group(trainer: Any, prefix: str, summaries: Optional[Dict[str, 
                 run.define_metric(key, step_metric="trainer/global_step", summary=summary)
         except Exception as exc:  # noqa: BLE001
             warn(f"W&B define_metric for {prefix}/* failed: {type(exc).__name__}: {exc}")
-
-
-def log_table(trainer: Any, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-              csv_path: Optional[Path] = None) -> None:
-    """A W&B Table (rank 0) and its CSV twin (``csv_path``)."""
-    if not trainer.is_global_zero or not rows:
-        return
-    if csv_path is not None:
-        try:
-            csv_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(csv_path, "w", newline="") as fh:
-                writer = csv.writer(fh)
-                writer.writerow(columns)
-                writer.writerows(rows)
-        except OSError as exc:
-            warn(f"could not write {csv_path}: {exc}")
-    runs = wandb_runs(trainer)
-    if not runs:
-        return
-    try:
-        import wandb
-
-        table = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
-        for run in runs:
-            run.log({key: table, "trainer/global_step": trainer.global_step})
-    except Exception as exc:  # noqa: BLE001
-        warn(f"W&B table {key} failed: {type(exc).__name__}: {exc}")
 
 
 def aggregate(prefix_metrics: Iterable[str], per_rank: List[Optional[Dict[str, float]]],
@@ -174,7 +147,7 @@ def storage_bytes(tensors: Iterable[Any], seen: Optional[set] = None) -> int:
     return total
 
 
-def root_module(trainer: Any, pl_module: Any) -> Any:
+def root_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.Module:
     """The module that owns the (possibly sharded) parameters: the FSDP1 root, or the LightningModule."""
     model = getattr(trainer.strategy, "model", None)
     return model if model is not None else pl_module
@@ -198,3 +171,18 @@ class RankTable:
     def as_rows(self) -> List[List[Any]]:
         columns = self.columns()[1:]
         return [[r] + [self.rows[r].get(c) for c in columns] for r in sorted(self.rows)]
+
+
+@dataclass
+class Shared:
+    """What one run's callbacks share, made once by ``build_enabled`` and handed to every ``build``.
+
+    Arguments:
+        table: the per-rank table (comm and memory fill it; ``rank_table`` writes it at the end).
+        trust_remote_code: the model's ``trust_remote_code`` (the throughput callback rebuilds the
+            architecture on the meta device to count FLOPs); the one fact callbacks need from outside
+            their ``callbacks:`` section.
+    """
+
+    table: RankTable = field(default_factory=RankTable)
+    trust_remote_code: bool = False

@@ -1,5 +1,7 @@
 """CommTimeCallback: collective time, exposed communication and overlap, measured live in short windows.
 
+``Config`` is the recipe's ``callbacks.comm`` section; ``build(config, ctx, shared)`` makes the callback.
+
 Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
 ``torch.profiler`` window (schedule wait/warmup/active), exports its trace to
 ``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` and analyses it with the trace analyzer
@@ -28,28 +30,62 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from shardlight.callbacks._common import (
     RankTable,
+    Shared,
     aggregate,
     define_wandb_group,
     gather,
     log_metrics,
     per_rank_key,
     rank,
-    warn,
 )
+from shardlight.errors import warn
+from shardlight.runtime import RunContext
 
 COLLECTIVE_KEYS = {"all_gather": "comm/all_gather_ms", "reduce_scatter": "comm/reduce_scatter_ms",
                    "all_reduce": "comm/all_reduce_ms"}
 METRIC_KEYS = ("comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
                "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms")
 TRACE_DIR = "traces"
+
+
+@dataclass
+class Config:
+    """The recipe's ``callbacks.comm`` section."""
+
+    enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
+    every_n_steps: int = field(
+        default=50, metadata={"positive": True, "help": "Steps between profiling windows (plus one early)."}
+    )
+    first_step: Optional[int] = field(
+        default=5, metadata={"help": "Step of the early profiling window (null or 0: none)."}
+    )
+    wait: int = field(
+        default=0, metadata={"non_negative": True, "help": "Profiler schedule: steps skipped at a window's start."}
+    )
+    warmup: int = field(
+        default=1, metadata={"non_negative": True, "help": "Profiler schedule: warm-up steps (traced, not recorded)."}
+    )
+    active: int = field(
+        default=2,
+        metadata={"positive": True,
+                  "help": "Profiler schedule: recorded steps (the last is dropped in analysis, as HTA)."},
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
+    keep_windows: Optional[int] = field(
+        default=10, metadata={"help": "Keep the traces of this many latest windows in run_dir/traces (null: all)."}
+    )
 
 
 def window_metrics(result: Dict[str, Any], step_seconds: Dict[int, float]) -> Dict[str, float]:
@@ -97,8 +133,6 @@ class CommTimeCallback(Callback):
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
                  warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
                  table: Optional[RankTable] = None, gather_delay: int = 5) -> None:
-        if every_n_steps <= 0 or active <= 0 or wait < 0 or warmup < 0:
-            raise ValueError("callbacks.comm: every_n_steps and active must be positive, wait/warmup >= 0")
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
@@ -108,7 +142,6 @@ class CommTimeCallback(Callback):
         self.keep_windows = keep_windows
         self.table = table
         self.gather_delay = gather_delay
-        self.windows_logged = 0
         self._window: Optional[Dict[str, Any]] = None
         self._pending: Optional[Dict[str, Any]] = None
         self._last_step = -1
@@ -121,7 +154,7 @@ class CommTimeCallback(Callback):
         return (step > 0 and step % self.every_n_steps == 0) or step == self.first_step
 
     @staticmethod
-    def _max_steps(trainer: Any) -> int:
+    def _max_steps(trainer: pl.Trainer) -> int:
         max_steps = trainer.max_steps
         if max_steps is None or max_steps < 0:
             try:
@@ -131,11 +164,14 @@ class CommTimeCallback(Callback):
         return max_steps
 
     # --- hooks ----------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         define_wandb_group(trainer, "step")
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         step = trainer.global_step
         if self._window is not None or step == self._last_step:
             return
@@ -166,7 +202,9 @@ class CommTimeCallback(Callback):
         except Exception as exc:  # noqa: BLE001 - profiling must never stop training
             self._fail(window, "start", exc)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         pending = self._pending
         if pending is not None and trainer.global_step >= pending["gather_step"]:
             self._collect(trainer)
@@ -190,7 +228,8 @@ class CommTimeCallback(Callback):
         if trainer.global_step >= window["end"]:
             self._finish(trainer, window)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         window, self._window = self._window, None
         if window is not None and window["prof"] is not None:
             try:  # training ended inside a window (early stop): drop it, no collective
@@ -211,7 +250,7 @@ class CommTimeCallback(Callback):
                 pass
         warn(f"comm window at step {window['start']} skipped on rank {rank()} ({window['error']})")
 
-    def _analyse(self, window: Dict[str, Any], prof: Any) -> None:
+    def _analyse(self, window: Dict[str, Any], prof: torch.profiler.profile) -> None:
         """Export and analyse this rank's trace (in a background thread: it overlaps the next steps)."""
         try:
             # Lowest priority for this thread only (Linux): on a busy host it must yield to training.
@@ -227,7 +266,7 @@ class CommTimeCallback(Callback):
         except Exception as exc:  # noqa: BLE001
             window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
 
-    def _finish(self, trainer: Any, window: Dict[str, Any]) -> None:
+    def _finish(self, trainer: pl.Trainer, window: Dict[str, Any]) -> None:
         """Window recorded: stop the profiler and start export + analysis in a thread; the results are
         gathered ``gather_delay`` steps later, so that this work overlaps training instead of stalling it."""
         self._window = None
@@ -246,7 +285,7 @@ class CommTimeCallback(Callback):
         self._pending = {"window": window, "thread": thread,
                          "gather_step": trainer.global_step + self.gather_delay}
 
-    def _collect(self, trainer: Any) -> None:
+    def _collect(self, trainer: pl.Trainer) -> None:
         """Join the analysis and gather every rank's result (all ranks, at the same step)."""
         pending, self._pending = self._pending, None
         window = pending["window"]
@@ -261,7 +300,7 @@ class CommTimeCallback(Callback):
             self._log(trainer, window, results)
             self._prune(window)
 
-    def _log(self, trainer: Any, window: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
+    def _log(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
         failed = [r for r, res in enumerate(results) if "metrics" not in res]
         if failed:
             reasons = "; ".join(f"rank {r}: {results[r].get('error')}" for r in failed[:4])
@@ -283,7 +322,6 @@ class CommTimeCallback(Callback):
                 self.table.update(r, {k: m.get(k) for k in METRIC_KEYS})
         metrics["comm/window_start_step"] = float(window["start"])
         log_metrics(trainer, metrics, step=window["end"])
-        self.windows_logged += 1
 
     def _prune(self, window: Dict[str, Any]) -> None:
         if window.get("file") is None:
@@ -293,3 +331,11 @@ class CommTimeCallback(Callback):
             return
         while len(self._saved) > self.keep_windows:
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)
+
+
+def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
+    return CommTimeCallback(
+        Path(ctx.run_dir), every_n_steps=config.every_n_steps, first_step=config.first_step, wait=config.wait,
+        warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,
+        table=shared.table,
+    )

@@ -1,5 +1,7 @@
 """MemoryHeadroomCallback: memory headroom per rank and the exact bytes of each rank's shard.
 
+``Config`` is the recipe's ``callbacks.memory`` section; ``build(config, ctx, shared)`` makes the callback.
+
 Per rank, every ``every_n_steps`` optimizer steps and at the end of training:
 
 * CUDA: ``peak`` = ``torch.cuda.max_memory_allocated``, ``reserved`` = ``memory_reserved``,
@@ -22,30 +24,48 @@ and ``memory/peak_gb``, ``memory/reserved_gb``, ``memory/capacity_gb``, ``memory
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from shardlight.callbacks._common import (
     GB,
     RankTable,
+    Shared,
     aggregate,
     define_wandb_group,
     gather,
+    interval,
     log_metrics,
     per_rank_key,
     root_module,
     storage_bytes,
-    warn,
 )
+from shardlight.errors import warn
+from shardlight.runtime import RunContext
 
 BYTE_KEYS = ("peak", "reserved", "capacity", "headroom", "params", "grads", "optim")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass
+class Config:
+    """The recipe's ``callbacks.memory`` section."""
+
+    enabled: bool = field(default=True, metadata={"help": "Log memory headroom and shard bytes per rank."})
+    every_n_steps: Optional[int] = field(
+        default=None,
+        metadata={"positive": True, "help": "Steps between memory logs (null: trainer.log_every_n_steps)."},
+    )
+    per_rank: bool = field(default=True, metadata={"help": "Also log memory/rank<R>/... keys for every rank."})
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -132,7 +152,7 @@ def device_memory(device: torch.device) -> Dict[str, int]:
     return {"peak": peak, "reserved": rss, "capacity": capacity, "headroom": max(0, available - (peak - rss))}
 
 
-def optimizer_state_tensors(optimizers: List[Any]) -> List[Any]:
+def optimizer_state_tensors(optimizers: List[torch.optim.Optimizer]) -> List[torch.Tensor]:
     tensors = []
     for optimizer in optimizers:
         for state in getattr(optimizer, "state", {}).values():
@@ -150,17 +170,16 @@ class MemoryHeadroomCallback(Callback):
         self.table = table
         self._grads_bytes: Optional[int] = None
         self._last_logged = -1
-        self.last: List[Dict[str, int]] = []
 
-    def _interval(self, trainer: Any) -> int:
-        return max(1, self.every_n_steps or trainer.log_every_n_steps or 50)
-
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         define_wandb_group(trainer, "memory", {"memory/headroom_gb": "min", "memory/peak_gb": "max"})
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
         # Gradients exist (sharded, reduced) only between backward and the optimizer step.
-        if (trainer.global_step + 1) % self._interval(trainer) == 0 or self._grads_bytes is None:
+        if (trainer.global_step + 1) % interval(trainer, self.every_n_steps) == 0 or self._grads_bytes is None:
             try:
                 params = list(root_module(trainer, pl_module).parameters())
                 self._grads_bytes = storage_bytes(p.grad for p in params)
@@ -168,18 +187,21 @@ class MemoryHeadroomCallback(Callback):
                 warn(f"gradient bytes unavailable: {type(exc).__name__}: {exc}")
                 self._grads_bytes = 0
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step > 0 and step != self._last_logged and step % self._interval(trainer) == 0:
+        if step > 0 and step != self._last_logged and step % interval(trainer, self.every_n_steps) == 0:
             self._last_logged = step
             self.collect_and_log(trainer, pl_module)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._last_logged:
             self._last_logged = trainer.global_step
             self.collect_and_log(trainer, pl_module)
 
-    def local_snapshot(self, trainer: Any, pl_module: Any) -> Dict[str, int]:
+    def local_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Dict[str, int]:
         try:
             snapshot = device_memory(trainer.strategy.root_device)
         except Exception as exc:  # noqa: BLE001
@@ -191,14 +213,13 @@ class MemoryHeadroomCallback(Callback):
         snapshot["optim"] = storage_bytes(optimizer_state_tensors(trainer.optimizers))
         return snapshot
 
-    def collect_and_log(self, trainer: Any, pl_module: Any) -> None:
+    def collect_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             local: Optional[Dict[str, int]] = self.local_snapshot(trainer, pl_module)
         except Exception as exc:  # noqa: BLE001 - the gather below must still happen on every rank
             warn(f"memory snapshot failed: {type(exc).__name__}: {exc}")
             local = None
         snapshots = gather(local)
-        self.last = snapshots
         if not trainer.is_global_zero:
             return
         per_rank = [None if s is None else {f"memory/{k}_gb": s[k] / GB for k in BYTE_KEYS if k in s}
@@ -216,3 +237,7 @@ class MemoryHeadroomCallback(Callback):
             if self.table is not None:
                 self.table.update(r, {f"memory/{k}_bytes": snapshot.get(k) for k in BYTE_KEYS})
         log_metrics(trainer, metrics)
+
+
+def build(config: Config, ctx: RunContext, shared: Shared) -> MemoryHeadroomCallback:
+    return MemoryHeadroomCallback(every_n_steps=config.every_n_steps, per_rank=config.per_rank, table=shared.table)

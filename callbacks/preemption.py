@@ -14,6 +14,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -37,12 +39,14 @@ class PreemptionCallback(pl.Callback):
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = signum
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._pending is not None:
             self._pending[1].wait()  # every rank started it; finish it before the process group goes
@@ -64,8 +68,9 @@ class PreemptionCallback(pl.Callback):
         previous[1].wait()
         return bool(previous[0].item())
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
-                           batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # not a step boundary: gradients are half accumulated
         if not self._any_rank_signalled(trainer):

@@ -1,5 +1,7 @@
 """ThroughputCallback: tokens/s and samples/s per device, MFU and scaling efficiency.
 
+``Config`` is the recipe's ``callbacks.throughput`` section; ``build(config, ctx, shared)`` makes the callback.
+
 * ``throughput/tokens_per_sec_per_device`` and ``throughput/samples_per_sec_per_device``: the mean over
   ranks of each rank's non-padding tokens (``attention_mask``; all of ``input_ids`` without one) and
   sequences per second of training wall time (validation time excluded), over the last interval;
@@ -21,13 +23,46 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
-from shardlight.callbacks._common import define_wandb_group, log_metrics, warn
+from shardlight.callbacks._common import Shared, define_wandb_group, interval, log_metrics
+from shardlight.errors import warn
+from shardlight.runtime import RunContext
+
+
+@dataclass
+class Config:
+    """The recipe's ``callbacks.throughput`` section."""
+
+    enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
+    peak_tflops: Optional[float] = field(
+        default=None, metadata={"help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."}
+    )
+    peak_tflops_table: Dict[str, float] = field(
+        default_factory=dict,
+        metadata={"help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in "
+                          "A100/H100/H200 table."},
+    )
+    baseline_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSON with tokens_per_sec_per_device (shardlight profile) for scaling efficiency."},
+    )
+    every_n_steps: Optional[int] = field(
+        default=None,
+        metadata={"positive": True, "help": "Steps between throughput logs (null: trainer.log_every_n_steps)."},
+    )
+    measure_flops: bool = field(
+        default=True, metadata={"help": "Count FLOPs/token with torch.utils.flop_counter (false: 6N + attention)."}
+    )
+
 
 # Dense (no sparsity) peak TFLOP/s per device, from NVIDIA's datasheets. Longest matching name wins.
 PEAK_TFLOPS: Dict[str, Dict[str, float]] = {
@@ -44,7 +79,8 @@ def precision_class(precision: Any) -> str:
     return "fp32" if text.startswith(("32", "64")) else "bf16"
 
 
-def lookup_peak_tflops(device_name: str, precision: Any, overrides: Optional[Dict[str, float]] = None) -> Optional[float]:
+def lookup_peak_tflops(device_name: str, precision: Any,
+                       overrides: Optional[Dict[str, float]] = None) -> Optional[float]:
     """Peak TFLOP/s of a device by name (``overrides`` first), for the run's precision; None if unknown."""
     name = device_name.lower()
     for table in ((overrides or {}), {k: v[precision_class(precision)] for k, v in PEAK_TFLOPS.items()}):
@@ -77,7 +113,8 @@ def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
             return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def measure_flops_per_token(config: Any, seq_len: int, batch_size: int = 1, trust_remote_code: bool = False) -> tuple:
+def measure_flops_per_token(config: Any, seq_len: int, batch_size: int = 1,
+                            trust_remote_code: bool = False) -> Tuple[float, str]:
     """(FLOPs per token, how) for a Hugging Face causal LM config, on a meta-device copy."""
     model = meta_model(config, trust_remote_code)
     try:
@@ -137,10 +174,8 @@ class ThroughputCallback(Callback):
         self._tokens: Any = 0
         self._samples = 0
 
-    def _interval(self, trainer: Any) -> int:
-        return max(1, self.every_n_steps or trainer.log_every_n_steps or 50)
-
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         define_wandb_group(trainer, "throughput", {"throughput/mfu": "mean"})
         self.baseline = read_baseline(self.baseline_file)
         device = trainer.strategy.root_device
@@ -151,7 +186,7 @@ class ThroughputCallback(Callback):
             if self.peak_tflops is None and trainer.is_global_zero:
                 warn(f"no peak FLOP/s known for '{name}'; set callbacks.throughput.peak_tflops for MFU")
 
-    def _measure_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+    def _measure_flops(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.flops_method = "unavailable"
         input_ids = batch.get("input_ids") if isinstance(batch, dict) else None
         config = getattr(getattr(pl_module, "model", None), "config", None)
@@ -164,14 +199,17 @@ class ThroughputCallback(Callback):
                     config, seq_len, trust_remote_code=self.trust_remote_code)
             else:
                 model = meta_model(config, self.trust_remote_code)
-                self.flops_per_token, self.flops_method = approx_flops_per_token(model, config, seq_len), "6N+attention"
+                self.flops_per_token = approx_flops_per_token(model, config, seq_len)
+                self.flops_method = "6N+attention"
         except Exception as exc:  # noqa: BLE001
             warn(f"FLOPs per token unavailable ({type(exc).__name__}: {exc}); MFU not logged")
             self.flops_per_token = None
         if self.flops_per_token:
             log_metrics(trainer, {"throughput/flops_per_token": self.flops_per_token})
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         if isinstance(batch, dict) and "input_ids" in batch:
             mask = batch.get("attention_mask")
             self._tokens = self._tokens + (mask.sum() if mask is not None else batch["input_ids"].numel())
@@ -187,26 +225,28 @@ class ThroughputCallback(Callback):
                 self._measure_flops(trainer, pl_module, batch)
             self._start_interval(trainer)
             return
-        if step % self._interval(trainer) == 0:
+        if step % interval(trainer, self.every_n_steps) == 0:
             self._log(trainer)
 
-    def _start_interval(self, trainer: Any) -> None:
+    def _start_interval(self, trainer: pl.Trainer) -> None:
         self._reset()
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
         self._clock = time.perf_counter()
         self._excluded = 0.0
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._clock is not None and not trainer.sanity_checking:
             self._val_started = time.perf_counter()
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._val_started is not None:
             self._excluded += time.perf_counter() - self._val_started
             self._val_started = None
 
-    def _log(self, trainer: Any) -> None:
+    def _log(self, trainer: pl.Trainer) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -229,3 +269,11 @@ class ThroughputCallback(Callback):
         if self.baseline:
             metrics["throughput/scaling_efficiency"] = tokens_per_sec / self.baseline
         log_metrics(trainer, metrics)
+
+
+def build(config: Config, ctx: RunContext, shared: Shared) -> ThroughputCallback:
+    return ThroughputCallback(
+        every_n_steps=config.every_n_steps, peak_tflops=config.peak_tflops,
+        peak_tflops_table=config.peak_tflops_table, baseline_file=config.baseline_file,
+        measure_flops=config.measure_flops, trust_remote_code=shared.trust_remote_code,
+    )

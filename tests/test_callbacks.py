@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlight.callbacks._common import aggregate, per_rank_key, storage_bytes
+from shardlight.callbacks import REGISTRY, Shared, build_enabled
+from shardlight.callbacks._common import aggregate, interval, per_rank_key, storage_bytes
 from shardlight.callbacks.comm import CommTimeCallback, window_metrics
-from shardlight.callbacks.throughput import lookup_peak_tflops, read_baseline
+from shardlight.callbacks.memory import MemoryHeadroomCallback
+from shardlight.callbacks.rank_table import RankTableCallback
+from shardlight.callbacks.throughput import ThroughputCallback, lookup_peak_tflops, read_baseline
 
 COMM_KEYS = ["comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
              "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms",
@@ -88,8 +91,8 @@ def values(rows: list, key: str) -> list:
 
 def model_param_bytes() -> int:
     """Total parameter bytes of the default recipe's model, counted from the model itself."""
-    from shardlight.recipe import load_recipe
     from shardlight.build import build_hf_model
+    from shardlight.recipe import load_recipe
 
     cfg = load_recipe(None, [])
     model = build_hf_model(cfg.model)
@@ -295,3 +298,76 @@ def test_aggregate_worst_min_max_mean():
     out = aggregate(["memory/headroom_gb"], per_rank, worst="min")
     assert out == {"memory/headroom_gb": 1.0, "memory/headroom_gb_min": 1.0, "memory/headroom_gb_max": 3.0,
                    "memory/headroom_gb_mean": 2.0}
+
+
+def test_registry_is_the_recipe_callbacks_section():
+    import dataclasses
+    import typing
+
+    from shardlight.recipe import CallbacksConfig
+
+    hints = typing.get_type_hints(CallbacksConfig)
+    assert [f.name for f in dataclasses.fields(CallbacksConfig)] == list(REGISTRY)
+    for name, module in REGISTRY.items():
+        assert hints[name] is module.Config and callable(module.build), name
+        assert isinstance(getattr(CallbacksConfig(), name), module.Config)
+        assert dataclasses.fields(module.Config)[0].name == "enabled"
+
+
+def test_build_enabled_in_registry_order_then_the_rank_table(tmp_path):
+    from shardlight.recipe import CallbacksConfig
+    from shardlight.runtime import RunContext
+
+    ctx = RunContext(run_dir=tmp_path)
+    shared = Shared(trust_remote_code=True)
+    built = build_enabled(CallbacksConfig(), ctx, shared)
+    assert [type(c) for c in built] == [CommTimeCallback, MemoryHeadroomCallback, ThroughputCallback,
+                                        RankTableCallback]
+    comm, memory, throughput, table = built
+    assert comm.table is memory.table is table.table is shared.table
+    assert comm.trace_root == tmp_path / "traces" and table.run_dir == tmp_path
+    assert throughput.trust_remote_code is True
+    off = CallbacksConfig()
+    for name in REGISTRY:
+        getattr(off, name).enabled = False
+    assert build_enabled(off, ctx) == []
+    off.throughput.enabled = True
+    assert [type(c) for c in build_enabled(off, ctx)] == [ThroughputCallback, RankTableCallback]
+
+
+def test_callback_settings_are_checked_by_the_recipe_schema():
+    from shardlight.errors import ShardlightError
+    from shardlight.recipe import load_recipe
+
+    for override, message in (("callbacks.comm.every_n_steps=0", "callbacks.comm.every_n_steps must be positive, got 0"),
+                              ("callbacks.comm.active=0", "callbacks.comm.active must be positive, got 0"),
+                              ("callbacks.comm.wait=-1", "callbacks.comm.wait must not be negative, got -1"),
+                              ("callbacks.memory.every_n_steps=0", "callbacks.memory.every_n_steps must be positive"),
+                              ("callbacks.throughput.every_n_steps=-1", "callbacks.throughput.every_n_steps must be"),
+                              ("callbacks.comm.every_n_step=3", "did you mean 'callbacks.comm.every_n_steps'")):
+        with pytest.raises(ShardlightError, match=message):
+            load_recipe(None, [override])
+    cfg = load_recipe(None, ["callbacks.memory.every_n_steps=null", "callbacks.comm.first_step=2"])
+    assert cfg.callbacks.memory.every_n_steps is None and cfg.callbacks.comm.first_step == 2
+
+
+def test_null_every_n_steps_is_the_trainers_log_interval():
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(log_every_n_steps=7)
+    assert interval(trainer, None) == 7 and interval(trainer, 3) == 3
+
+
+def test_every_overridden_hook_is_marked_override():
+    import inspect
+
+    from lightning.pytorch.callbacks import Callback
+
+    from shardlight.callbacks.preemption import PreemptionCallback
+
+    hooks = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
+    for cls in (CommTimeCallback, MemoryHeadroomCallback, ThroughputCallback, RankTableCallback, PreemptionCallback):
+        overridden = [name for name in hooks if name in vars(cls)]
+        assert overridden, cls
+        for name in overridden:
+            assert getattr(vars(cls)[name], "__override__", False), f"{cls.__name__}.{name} lacks @override"

@@ -1,11 +1,14 @@
-"""The run's callbacks: the observability callbacks a recipe's ``callbacks:`` section enables, sharded
-checkpoints (and resume), and preemption handling when a scheduler can requeue the job."""
+"""The run's callbacks: the observability callbacks a recipe's ``callbacks:`` section enables
+(``shardlight.callbacks``), sharded checkpoints (and resume), and preemption handling when a scheduler can
+requeue the job."""
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import List
 
-from shardlight.callbacks import build_callbacks as build_observability_callbacks
+from lightning.pytorch.callbacks import Callback
+
+from shardlight.callbacks import Shared, build_enabled
 from shardlight.callbacks.preemption import PreemptionCallback
 from shardlight.checkpoint import build_checkpoint_callback
 from shardlight.launch import launcher_named
@@ -13,8 +16,9 @@ from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
 
-def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Any]:
-    callbacks = build_observability_callbacks(cfg, ctx.run_dir)
+def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Callback]:
+    shared = Shared(trust_remote_code=cfg.model.trust_remote_code)
+    callbacks = build_enabled(cfg.callbacks, ctx, shared)
     checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
     if ctx.launcher == "slurm":
         launcher = launcher_named(ctx.launcher)
