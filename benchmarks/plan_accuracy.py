@@ -12,24 +12,21 @@ cross-entropy), with and without activation checkpointing (non-reentrant, per de
   and optimizer-state bytes alive before it, vs the plan's peak for one device (32-true only: CPU autocast
   caches its bf16 weight copies differently from FSDP's gathered buffers).
 
-Relative error = (estimate - measured) / measured. Run: PYTHONPATH=. python benchmarks/plan_accuracy.py
+Relative error = (estimate - measured) / measured. Run (shardlight installed, e.g. ``pip install -e .``):
+python benchmarks/plan_accuracy.py
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from shardlight.planner.estimate import Workload, activation_bytes, estimate, make_cluster  # noqa: E402
-from shardlight.planner.model_spec import model_spec  # noqa: E402
+from shardlight.planner.estimate import Workload, activation_bytes, estimate, make_cluster
+from shardlight.planner.model_spec import model_spec
 
 SHAPES = [
     {"name": "h256-L4-v8k-s256-b4", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,

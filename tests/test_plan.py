@@ -1,14 +1,28 @@
 """shardlight plan / profile: decision-table cases from HF configs, bad input, recipes, and a real 2-rank
 sweep whose measured local shard bytes must equal the predicted ones (±1%)."""
 
+import ast
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+import shardlight.planner
 from shardlight.cli import main
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import GB, parse_memory
+from shardlight.planner.estimate import OPTIMIZERS, parse_memory
+from shardlight.planner.plan import (
+    ClusterOptions,
+    WorkloadOptions,
+    cluster_for,
+    plan_for,
+    spec_from_hf_config,
+    workload_for,
+)
+from shardlight.planner.profile import ProfileRequest, profile
+from shardlight.planner.runs import child_env
+from shardlight.recipe import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,3 +235,61 @@ def test_default_recipe_restricted_to_checkpointing_and_no_wrap(tmp_path, capsys
     full = next(r for r in wrapped["strategies"] if r["sharding_strategy"] == "FULL_SHARD")
     assert wrapped["model"]["num_units"] == 1
     assert full["gather_buffer_bytes"] == wrapped["model"]["total_params"] * 4  # the whole model at once
+
+
+def test_plan_for_from_python_without_argparse(tmp_path, capsys):
+    """The library call gives what ``shardlight plan`` prints and writes."""
+    path = write_config(tmp_path, MISTRAL_7B)
+    cli_result, _ = plan(tmp_path, capsys, "--hf-config", path, "--gpu-memory", "24GB", "--interconnect", "pcie",
+                         "--seq-len", "1024", "--cpu-offload", "off")
+    cluster = cluster_for(ClusterOptions(gpu_memory="24GB", interconnect=("pcie",)))
+    result = plan_for(spec_from_hf_config(path), cluster, workload_for(WorkloadOptions(seq_len=1024)),
+                      restrict_offload=False)
+    assert json.loads(json.dumps(result, default=str)) == cli_result
+    assert result["cluster"]["gpus_per_node"] == 8 and result["workload"]["seq_len"] == 1024
+
+
+@pytest.mark.parametrize("request_kwargs,message", [
+    ({"steps": 3}, "--steps must be at least 6"),
+    ({"strategies": ("FULL_SHARD", "ZERO9")}, "unknown strategy 'ZERO9'"),
+    ({"strategies": ("HYBRID_SHARD",)}, "--strategies: nothing to run"),
+    ({"timeout": 0}, "--timeout must be positive"),
+])
+def test_profile_request_checked_before_any_run(tmp_path, request_kwargs, message):
+    def no_model(_model_cfg):
+        raise AssertionError("a bad request must fail before the model is built or any run starts")
+
+    request = ProfileRequest(out_dir=str(tmp_path / "profile"), **request_kwargs)
+    with pytest.raises(ShardlightError, match=message):
+        profile(request, hf_config_for=no_model)
+    assert not (tmp_path / "profile").exists()
+
+
+def test_planner_imports_no_command_line_or_builders():
+    """The planner is a library: no ``shardlight.cli``/``train``/``build`` import, no import hidden in a
+    function except third-party ones (transformers, matplotlib, wandb)."""
+    for path in sorted(Path(shardlight.planner.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                for name in names:
+                    assert not name.startswith(("shardlight.cli", "shardlight.train", "shardlight.build")), (path, name)
+                    if node not in tree.body:
+                        assert not name.startswith("shardlight"), (path.name, node.lineno, name)
+
+
+def test_optimizer_names_are_one_list():
+    allowed = next(f for f in dataclasses.fields(OptimConfig) if f.name == "name").metadata["allowed"]
+    assert tuple(allowed) == OPTIMIZERS == ("adamw", "adam", "sgd", "adamw8bit")
+
+
+def test_profile_child_env_is_a_fresh_run(monkeypatch):
+    for key in ("SHARDLIGHT_RUN_DIR", "SHARDLIGHT_RESUME_FROM", "SHARDLIGHT_WANDB_RUN_ID", "LOCAL_RANK", "RANK",
+                "WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.setenv(key, "x")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setenv("KEEP_ME", "1")
+    env = child_env()
+    assert not {"SHARDLIGHT_RUN_DIR", "SHARDLIGHT_RESUME_FROM", "LOCAL_RANK", "RANK", "WORLD_SIZE"} & set(env)
+    assert env["KEEP_ME"] == "1" and "PYTHONPATH" not in env

@@ -1,74 +1,77 @@
-"""``shardlight plan`` and ``shardlight profile``: argument parsing and the two handlers."""
+"""``shardlight plan`` and ``shardlight profile``: their arguments, parsed into the planner's typed inputs
+(``shardlight.planner.plan.ClusterOptions``/``WorkloadOptions``, ``shardlight.planner.profile.ProfileRequest``),
+and the two handlers. The planning and the sweep themselves are ``shardlight.planner``'s."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
+from shardlight.build import build_hf_config
 from shardlight.cli.common import add_recipe_items, parse_number, parse_on_off, split_recipe_and_overrides, write_json
 from shardlight.errors import ShardlightError
+from shardlight.planner.model_spec import ModelSpec
+from shardlight.planner.plan import (
+    ClusterOptions,
+    WorkloadOptions,
+    cluster_for,
+    plan_for,
+    render,
+    spec_from_hf_config,
+    spec_from_recipe,
+    workload_for,
+)
+from shardlight.planner.profile import ProfileRequest, profile
+from shardlight.recipe import RecipeConfig, load_recipe
 
 
-def build_plan_from_args(args: argparse.Namespace):
-    """(plan dict, recipe cfg or None) from the plan/profile arguments."""
-    from shardlight.planner.estimate import Workload, make_cluster
-    from shardlight.planner.plan import make_plan, spec_from_hf_config, spec_from_recipe, workload_from_recipe
-
+def model_from_args(args: argparse.Namespace) -> Tuple[ModelSpec, Optional[RecipeConfig]]:
+    """(model spec, recipe or None) from ``[RECIPE] [key=value ...]`` or ``--hf-config``."""
     items = list(getattr(args, "items", []) or [])
-    cfg = None
     hf_config = getattr(args, "hf_config", None)
     if hf_config:
         if items:
             raise ShardlightError("give either a recipe or --hf-config, not both")
-        spec = spec_from_hf_config(hf_config)
-        work = Workload()
-    else:
-        from shardlight.recipe import load_recipe
+        return spec_from_hf_config(hf_config), None
+    recipe, overrides = split_recipe_and_overrides(items)
+    cfg = load_recipe(recipe, overrides)
+    return spec_from_recipe(cfg, build_hf_config(cfg.model)), cfg
 
-        recipe, overrides = split_recipe_and_overrides(items)
-        cfg = load_recipe(recipe, overrides)
-        spec = spec_from_recipe(cfg)
-        work = workload_from_recipe(cfg)
-    for attr, name in (("micro_batch_size", "--micro-batch-size"), ("seq_len", "--seq-len"),
-                       ("accumulate_grad_batches", "--accumulate")):
-        value = parse_number(name, getattr(args, attr, None))
-        if value is not None:
-            setattr(work, attr, value)
-    for attr in ("precision", "param_dtype", "optimizer"):
-        if getattr(args, attr, None):
-            setattr(work, attr, getattr(args, attr))
-    nodes = parse_number("--nodes", args.nodes) or (cfg.trainer.num_nodes if cfg is not None else 1)
-    gpus = parse_number("--gpus-per-node", args.gpus_per_node) or (cfg.trainer.devices if cfg is not None else 8)
-    cluster = make_cluster(
-        nodes=nodes, gpus_per_node=gpus, gpu_memory=args.gpu_memory, interconnect=args.interconnect,
+
+def workload_options(args: argparse.Namespace) -> WorkloadOptions:
+    return WorkloadOptions(
+        micro_batch_size=parse_number("--micro-batch-size", args.micro_batch_size),
+        seq_len=parse_number("--seq-len", args.seq_len),
+        accumulate_grad_batches=parse_number("--accumulate", args.accumulate_grad_batches),
+        precision=args.precision or None, param_dtype=args.param_dtype or None, optimizer=args.optimizer or None,
+    )
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    return ClusterOptions(
+        nodes=parse_number("--nodes", args.nodes), gpus_per_node=parse_number("--gpus-per-node", args.gpus_per_node),
+        gpu_memory=args.gpu_memory, interconnect=tuple(args.interconnect or ()),
         intra_node_bw=parse_number("--intra-node-bw", args.intra_node_bw, float),
         inter_node_bw=parse_number("--inter-node-bw", args.inter_node_bw, float),
         peak_tflops=parse_number("--peak-tflops", args.peak_tflops, float),
-        mfu=parse_number("--mfu", args.mfu, float), overhead_gb=parse_number("--overhead-gb", args.overhead_gb, float, False),
+        mfu=parse_number("--mfu", args.mfu, float),
+        overhead_gb=parse_number("--overhead-gb", args.overhead_gb, float, False),
         host_memory=args.host_memory,
     )
-    plan = make_plan(spec, cluster, work)
-    ckpt = parse_on_off("--activation-checkpointing", getattr(args, "activation_checkpointing", None))
-    offload = parse_on_off("--cpu-offload", getattr(args, "cpu_offload", None))
-    if ckpt is not None or offload is not None:
-        from shardlight.planner.recommend import recommend
 
-        rows = [r for r in plan["strategies"] if (ckpt is None or r["activation_checkpointing"] == ckpt)
-                and (offload is None or r["cpu_offload"] == offload)]
-        if not rows:
-            raise ShardlightError("no configuration matches --activation-checkpointing/--cpu-offload")
-        plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"])
-        plan["strategies"] = rows
-    return plan, cfg
+
+def restrictions(args: argparse.Namespace) -> Tuple[Optional[bool], Optional[bool]]:
+    """(activation checkpointing, CPU offload): True/False restricts the plan to on/off, None keeps both."""
+    return (parse_on_off("--activation-checkpointing", args.activation_checkpointing),
+            parse_on_off("--cpu-offload", args.cpu_offload))
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from shardlight.planner.plan import render
-
-    plan, _ = build_plan_from_args(args)
+    spec, cfg = model_from_args(args)
+    work, cluster = workload_options(args), cluster_options(args)
+    ckpt, offload = restrictions(args)
+    plan = plan_for(spec, cluster_for(cluster, cfg), workload_for(work, cfg), ckpt, offload)
     sys.stdout.write(render(plan) + "\n")
     if args.json:
         write_json(args.json, plan)
@@ -76,9 +79,16 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from shardlight.planner.profile import profile
-
-    return profile(args)
+    steps = parse_number("--steps", args.steps)
+    timeout = parse_number("--timeout", args.timeout, float)
+    recipe, overrides = split_recipe_and_overrides(list(args.items or []))
+    ckpt, offload = restrictions(args)
+    request = ProfileRequest(
+        recipe=recipe, overrides=tuple(overrides), out_dir=args.out, steps=steps,
+        strategies=tuple(str(args.strategies).split(",")), baseline=not args.no_baseline, timeout=timeout,
+        cluster=cluster_options(args), workload=workload_options(args), restrict_ckpt=ckpt, restrict_offload=offload,
+    )
+    return profile(request, hf_config_for=build_hf_config)
 
 
 def _cluster_args(parser: argparse.ArgumentParser, for_profile: bool = False) -> None:
@@ -133,4 +143,4 @@ def add_parsers(subparsers: Any) -> None:
     prof.add_argument("--no-baseline", action="store_true", help="skip the 1-device baseline run")
     prof.add_argument("--timeout", default="900", help="seconds per run before it is stopped (default 900)")
     _cluster_args(prof, for_profile=True)
-    prof.set_defaults(func=run_profile, hf_config=None)
+    prof.set_defaults(func=run_profile)

@@ -49,7 +49,10 @@ HOST_OPTIM_BW = 10.0     # GB/s of optimizer-state traffic a host core set susta
 COLLECTIVE_LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-OPTIMIZER_STATES = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "adamw8bit": 0.5}  # × storage bytes per element
+# The optimizers the planner costs (and training builds, by the same names: ``optim.name``).
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+# State per parameter element, in multiples of the storage dtype's bytes (8-bit AdamW: 2 x 1 byte).
+OPTIMIZER_STATES = dict(zip(OPTIMIZERS, (2.0, 2.0, 1.0, 0.5)))
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
@@ -154,8 +157,8 @@ class Workload:
             raise ShardlightError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
         if self.param_dtype not in DTYPE_BYTES:
             raise ShardlightError(f"parameter dtype '{self.param_dtype}' is not one of float32, bfloat16, float16")
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ShardlightError(f"optimizer '{self.optimizer}' is not one of {', '.join(OPTIMIZER_STATES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ShardlightError(f"optimizer '{self.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
         if self.prefetch < 0:
             raise ShardlightError("prefetch must not be negative")
 

@@ -11,6 +11,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from shardlight.errors import ShardlightError
+from shardlight.strategy.wrapping import find_block_classes
+
+# transformers is heavy: it is imported lazily, inside the functions that read or build a model config.
 
 
 @dataclass
@@ -115,8 +118,6 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
         raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
-    from shardlight.strategy.wrapping import find_block_classes
-
     classes = tuple(find_block_classes(model, block_classes))
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     seen: set = set()
@@ -133,7 +134,8 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
     root = [p.numel() for p in _unique(model.parameters()) if id(p) not in block_ids]
     unit_numels.append(root)
     total = sum(sum(u) for u in unit_numels)
-    inter = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                or 4 * config.hidden_size)
     wide = [m for m in (blocks[0].modules() if blocks else []) if getattr(m, "out_features", None) == inter
             or getattr(m, "nf", None) == inter]
     hidden = int(config.hidden_size)

@@ -1,16 +1,56 @@
-"""A whole plan: model spec + cluster + workload → per-strategy estimates and a recommendation (JSON-able)."""
+"""A whole plan: model spec + cluster + workload → per-strategy estimates and a recommendation (JSON-able).
+
+What lives here: the typed inputs a caller states (``ClusterOptions``, ``WorkloadOptions``: ``None`` means
+"the recipe's, else the default"), how a recipe turns into a ``ModelSpec`` and a ``Workload``, ``plan_for``
+(the one entry point ``shardlight plan`` and ``shardlight profile`` share) and ``render`` (the text table).
+
+The planner sits below the builders, so it does not build a recipe's Hugging Face config itself: callers
+pass it (``shardlight.build.build_hf_config(cfg.model)``) to ``spec_from_recipe``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Sequence
 
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import Cluster, Workload, estimate_all
+from shardlight.planner.estimate import Cluster, Workload, estimate_all, make_cluster
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
+from shardlight.recipe import RecipeConfig
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """The cluster as a caller states it; ``nodes``/``gpus_per_node`` default to the recipe's
+    ``trainer.num_nodes``/``trainer.devices`` (1 and 8 without a recipe)."""
+
+    nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    gpu_memory: str = "80GB"
+    interconnect: Sequence[str] = ()       # names, each may be comma-separated: nvswitch,infiniband
+    intra_node_bw: Optional[float] = None  # GB/s per GPU; wins over the interconnect's
+    inter_node_bw: Optional[float] = None  # GB/s per node
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    overhead_gb: float = 1.0
+    host_memory: str = "1TB"
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    """Workload fields that replace the recipe's (or ``Workload()``'s defaults) when not ``None``."""
+
+    micro_batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    accumulate_grad_batches: Optional[int] = None
+    precision: Optional[str] = None
+    param_dtype: Optional[str] = None
+    optimizer: Optional[str] = None        # one of estimate.OPTIMIZERS
 
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload) -> Dict[str, Any]:
+    """Every configuration's estimate and the recommendation among all of them."""
     work.validate()
     if spec.max_positions and work.seq_len > spec.max_positions:
         raise ShardlightError(f"seq_len {work.seq_len} exceeds the model's maximum positions ({spec.max_positions})")
@@ -26,12 +66,48 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload) -> Dict[str, An
     }
 
 
-def spec_from_recipe(cfg: Any) -> ModelSpec:
-    from shardlight.model import build_hf_config
+def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: Optional[bool] = None,
+             restrict_offload: Optional[bool] = None) -> Dict[str, Any]:
+    """``make_plan``, then (when ``restrict_ckpt``/``restrict_offload`` is not None) only the configurations
+    with that activation checkpointing / CPU offload, the recommendation chosen among them."""
+    plan = make_plan(spec, cluster, work)
+    if restrict_ckpt is None and restrict_offload is None:
+        return plan
+    rows = [r for r in plan["strategies"] if (restrict_ckpt is None or r["activation_checkpointing"] == restrict_ckpt)
+            and (restrict_offload is None or r["cpu_offload"] == restrict_offload)]
+    if not rows:
+        raise ShardlightError("no configuration matches --activation-checkpointing/--cpu-offload")
+    plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"])
+    plan["strategies"] = rows
+    return plan
 
-    config = build_hf_config(cfg.model)
+
+def cluster_for(options: ClusterOptions, cfg: Optional[RecipeConfig] = None) -> Cluster:
+    """A validated ``Cluster`` from the caller's options, the recipe's node and device counts by default."""
+    nodes = options.nodes or (cfg.trainer.num_nodes if cfg is not None else 1)
+    gpus = options.gpus_per_node or (cfg.trainer.devices if cfg is not None else 8)
+    return make_cluster(
+        nodes=nodes, gpus_per_node=gpus, gpu_memory=options.gpu_memory, interconnect=list(options.interconnect),
+        intra_node_bw=options.intra_node_bw, inter_node_bw=options.inter_node_bw, peak_tflops=options.peak_tflops,
+        mfu=options.mfu, overhead_gb=options.overhead_gb, host_memory=options.host_memory,
+    )
+
+
+def workload_for(options: WorkloadOptions, cfg: Optional[RecipeConfig] = None) -> Workload:
+    """The recipe's workload (``Workload()`` without one) with the caller's options that are not None on top."""
+    work = workload_from_recipe(cfg) if cfg is not None else Workload()
+    for field in fields(options):
+        value = getattr(options, field.name)
+        if value is not None:
+            setattr(work, field.name, value)
+    return work
+
+
+def spec_from_recipe(cfg: RecipeConfig, hf_config: Any) -> ModelSpec:
+    """The recipe's model as FSDP would wrap it; ``hf_config``: its Hugging Face config, built by the caller
+    (``shardlight.build.build_hf_config(cfg.model)``)."""
     classes = cfg.fsdp.transformer_cls_names_to_wrap
-    spec = model_spec(config, name=cfg.name, block_classes=list(classes) if classes else None,
+    spec = model_spec(hf_config, name=cfg.name, block_classes=list(classes) if classes else None,
                       trust_remote_code=cfg.model.trust_remote_code)
     if cfg.fsdp.auto_wrap_policy == "NO_WRAP":
         # One unit: the whole model is gathered at once (SIZE_BASED_WRAP is approximated by the blocks).
@@ -40,26 +116,25 @@ def spec_from_recipe(cfg: Any) -> ModelSpec:
     return spec
 
 
-def workload_from_recipe(cfg: Any, **overrides: Any) -> Workload:
+def workload_from_recipe(cfg: RecipeConfig) -> Workload:
+    """The recipe's micro-batch, seq_len, accumulation, precision, weight dtype, attention and prefetch."""
     t = cfg.trainer
     work = Workload(micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     accumulate_grad_batches=t.accumulate_grad_batches, precision=t.precision,
                     param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa")
-    prefetch = cfg.fsdp.backward_prefetch
-    if prefetch == "NO_PREFETCH":
+    if cfg.fsdp.backward_prefetch == "NO_PREFETCH":
         work.prefetch = 0
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(work, key, value)
     return work
 
 
 def spec_from_hf_config(path: str, block_classes: Optional[List[str]] = None) -> ModelSpec:
+    """A standard Hugging Face ``config.json`` (or the folder holding it) → ``ModelSpec``."""
     config = load_hf_config_file(path)
     return model_spec(config, name=getattr(config, "_name_or_path", None) or path, block_classes=block_classes)
 
 
 def render(plan: Dict[str, Any]) -> str:
+    """What ``shardlight plan`` prints: model, cluster, workload, the table, the recommendation and why."""
     rec, model, cluster = plan["recommendation"], plan["model"], plan["cluster"]
     work = plan["workload"]
     lines = [

@@ -1,203 +1,147 @@
-"""``shardlight profile``: a measured sweep of sharding strategies next to ``plan``'s prediction.
+"""``shardlight profile`` as a library: a measured sweep of sharding strategies next to the plan's prediction.
 
-Each run is its own ``python -m shardlight.cli train RECIPE overrides... --summary-json`` process (one
-Lightning fit per process), for ``--steps`` optimizer steps with the comm/memory/throughput callbacks. The
-1-device baseline runs first (when the plan says the model fits on one device); its tokens/s/device is
-written to ``baseline.json``, the file ``callbacks.throughput.baseline_file`` reads, and handed to the
-strategy runs. The report (``profile_report.md``, ``profile.json``, PNG plots, a W&B table) reads each
-run's ``csv/metrics.csv``.
+``profile(ProfileRequest(recipe, overrides, ...), hf_config_for=shardlight.build.build_hf_config)`` runs each
+configuration as its own ``shardlight train`` process (``runs.run_one``) for ``steps`` optimizer steps with
+the comm/memory/throughput callbacks. The 1-device baseline runs first (when the plan says the model fits
+on one device); its tokens/s/device is written to ``baseline.json``, the file
+``callbacks.throughput.baseline_file`` reads, and handed to the strategy runs. The report
+(``profile_report.md``, ``profile.json``, PNG plots, a W&B table; ``report``) reads each run's
+``csv/metrics.csv``. Parsing the command line is ``shardlight.cli.planner``'s job, not this module's.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import os
-import statistics
-import subprocess
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import GB, STRATEGIES
+from shardlight.planner import report
+from shardlight.planner.estimate import GB, STRATEGIES, make_cluster
+from shardlight.planner.model_spec import ModelSpec
+from shardlight.planner.plan import (
+    ClusterOptions,
+    WorkloadOptions,
+    cluster_for,
+    make_plan,
+    plan_for,
+    spec_from_recipe,
+    workload_for,
+    workload_from_recipe,
+)
+from shardlight.planner.recommend import choose, find_row
+from shardlight.planner.runs import COMPARED, measure, run_one
+from shardlight.recipe import ModelConfig, RecipeConfig, load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
-COMPARED = ("params", "grads", "optim")
-
-
-def read_metrics(run_dir: Path) -> Dict[str, List[float]]:
-    """Every logged value per key, in order (empty cells skipped)."""
-    values: Dict[str, List[float]] = {}
-    path = Path(run_dir) / "csv" / "metrics.csv"
-    if not path.exists():
-        return values
-    with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
-            for key, cell in row.items():
-                if cell not in (None, ""):
-                    try:
-                        values.setdefault(key, []).append(float(cell))
-                    except ValueError:
-                        pass
-    return values
-
-
-def summarize(metrics: Dict[str, List[float]], world_size: int) -> Dict[str, Any]:
-    """The numbers the report needs from one run's metrics."""
-    def last(key: str) -> Optional[float]:
-        return metrics[key][-1] if metrics.get(key) else None
-
-    def median(key: str) -> Optional[float]:
-        return statistics.median(metrics[key]) if metrics.get(key) else None
-
-    out: Dict[str, Any] = {
-        "tokens_per_sec_per_device": median("throughput/tokens_per_sec_per_device"),
-        "comm_total_ms": median("comm/total_ms"),
-        "comm_exposed_ms": median("comm/exposed_ms"),
-        "compute_ms": median("comm/compute_ms"),
-        "overlap_pct": median("comm/overlap_pct"),
-        "peak_gb": last("memory/peak_gb"),
-    }
-    for name in COMPARED:
-        value = last(f"memory/{name}_gb")
-        out[f"{name}_bytes"] = None if value is None else round(value * GB)
-    out["peak_gb_per_rank"] = [last(f"memory/rank{r}/peak_gb") for r in range(world_size)]
-    if out["comm_total_ms"] is not None and out["comm_exposed_ms"] is not None:
-        out["comm_overlapped_ms"] = max(0.0, out["comm_total_ms"] - out["comm_exposed_ms"])
-    return out
+DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+MIN_STEPS = 6
+LOG_EVERY = 2
+PREDICTED_KEYS = ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "activation_bytes", "logits_bytes",
+                  "comm_time_s", "compute_time_s", "step_time_s", "bound", "fits", "tokens_per_sec_per_device")
 
 
-def run_one(recipe: Optional[str], overrides: List[str], out_dir: Path, tag: str, timeout: float) -> Dict[str, Any]:
-    """One ``shardlight train`` subprocess; returns its summary (or the error) and its log path."""
-    summary_path = out_dir / f"{tag}.summary.json"
-    log_path = out_dir / f"{tag}.log"
-    command = [sys.executable, "-m", "shardlight.cli", "train", *([recipe] if recipe else []), *overrides,
-               "--summary-json", str(summary_path)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    for key in ("LOCAL_RANK", "SHARDLIGHT_RUN_DIR", "RANK", "WORLD_SIZE"):
-        env.pop(key, None)
-    env.setdefault("WANDB_SILENT", "true")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print(f"shardlight profile: running {tag} ...", flush=True)
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.run(command, cwd=os.getcwd(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = "timeout"
-    result: Dict[str, Any] = {"tag": tag, "log": str(log_path), "returncode": code, "command": command}
-    if code == 0 and summary_path.exists():
-        result["summary"] = json.loads(summary_path.read_text())
-    else:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:] if log_path.exists() else []
-        result["error"] = " | ".join(tail) or f"exit {code}"
-        print(f"shardlight profile: {tag} failed ({code}); see {log_path}", flush=True)
-    return result
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What to sweep. ``cluster``/``workload``/``restrict_*`` shape the plan the measurements are compared
+    with (as for ``shardlight plan``); the runs themselves are the recipe with ``overrides``."""
+
+    recipe: Optional[str] = None                  # recipe file; None: the default recipe
+    overrides: Sequence[str] = ()                 # key.path=value
+    out_dir: str = "profile"                      # report directory
+    steps: int = 8                                # optimizer steps per run, at least MIN_STEPS
+    strategies: Sequence[str] = DEFAULT_STRATEGIES
+    baseline: bool = True                         # the 1-device baseline run first
+    timeout: float = 900.0                        # seconds per run before it is stopped
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)
+    workload: WorkloadOptions = field(default_factory=WorkloadOptions)
+    restrict_ckpt: Optional[bool] = None          # plan only with (True) / without (False) activation checkpointing
+    restrict_offload: Optional[bool] = None       # plan only with / without CPU offload
 
 
-def _rel(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+def relative_error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
     if predicted is None or not measured:
         return None
     return (predicted - measured) / measured
 
 
-def _match(rows: List[Dict[str, Any]], strategy: str, ckpt: bool, offload: bool) -> Optional[Dict[str, Any]]:
-    for row in rows:
-        if (row["sharding_strategy"] == strategy and row["activation_checkpointing"] == ckpt
-                and row["cpu_offload"] == offload):
-            return row
-    return None
-
-
-def profile(args: Any) -> int:
-    from shardlight.cli.common import parse_number as _number
-    from shardlight.cli.common import split_recipe_and_overrides as _split_recipe_and_overrides
-    from shardlight.cli.common import write_json
-    from shardlight.cli.planner import build_plan_from_args
-    from shardlight.recipe import load_recipe
-    from shardlight.planner.estimate import make_cluster
-    from shardlight.planner.plan import make_plan, spec_from_recipe, workload_from_recipe
-    from shardlight.planner.recommend import choose, label
-    from shardlight.planner import report
-
-    steps = _number("--steps", args.steps)
-    timeout = _number("--timeout", args.timeout, float)
-    recipe, overrides = _split_recipe_and_overrides(list(args.items or []))
-    cfg = load_recipe(recipe, overrides)
-    strategies = [s.strip().upper() for s in str(args.strategies).split(",") if s.strip()]
+def sweep_strategies(names: Sequence[str], cfg: RecipeConfig) -> List[str]:
+    """The strategies to run, upper-cased and checked; HYBRID_SHARD is dropped (with a line) on one node
+    without ``fsdp.mesh_shape``."""
+    strategies = [s.strip().upper() for s in names if s.strip()]
     for s in strategies:
         if s not in STRATEGIES:
             raise ShardlightError(f"--strategies: unknown strategy '{s}'; known: {', '.join(STRATEGIES)}")
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
     if "HYBRID_SHARD" in strategies and cfg.trainer.num_nodes < 2 and not cfg.fsdp.mesh_shape:
         strategies.remove("HYBRID_SHARD")
         print("shardlight profile: HYBRID_SHARD skipped (one node and no fsdp.mesh_shape)")
     if not strategies:
         raise ShardlightError("--strategies: nothing to run")
-    if steps < 6:
-        raise ShardlightError("--steps must be at least 6 (warm-up, one comm profiling window, throughput)")
-    plan, _ = build_plan_from_args(args)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt, offload = bool(cfg.fsdp.activation_checkpointing), bool(cfg.fsdp.cpu_offload or cfg.fsdp.offload_params)
-    log_every = 2
-    common = [f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={log_every}",
-              f"trainer.val_every_n_steps={steps * 10}", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
-              "callbacks.comm.first_step=2", f"callbacks.comm.every_n_steps={steps * 10}",
-              f"callbacks.memory.every_n_steps={log_every}", f"callbacks.throughput.every_n_steps={log_every}",
-              f"output_dir={out / 'runs'}"]
-    runs: Dict[str, Dict[str, Any]] = {}
-    baseline_tps = None
-    baseline_file = out / "baseline.json"
-    if not args.no_baseline:
-        single = make_plan(spec_from_recipe(cfg), make_cluster(
-            nodes=1, gpus_per_node=1, gpu_memory=args.gpu_memory, peak_tflops=float(args.peak_tflops),
-            mfu=float(args.mfu), overhead_gb=float(args.overhead_gb)), workload_from_recipe(cfg))
-        one = _match(single["strategies"], "NO_SHARD", ckpt, False)
-        if one is not None and not one["fits"]:
-            print(f"shardlight profile: baseline skipped: the plan says the model does not fit on one device "
-                  f"({one['peak_bytes'] / GB:.1f} GB > {one['usable_bytes'] / GB:.1f} GB)")
-        else:
-            threads = []
-            if cfg.trainer.accelerator == "cpu" and cfg.trainer.num_threads is None:
-                # A CPU "device" is one rank and its threads: give the baseline what one sweep rank gets.
-                threads = [f"trainer.num_threads={max(1, (os.cpu_count() or 1) // cfg.trainer.devices)}"]
-            result = run_one(recipe, overrides + common + threads + [
-                "trainer.devices=1", "trainer.num_nodes=1", "fsdp.sharding_strategy=NO_SHARD", "fsdp.mesh_shape=null",
-                "name=profile-baseline"], out, "baseline", timeout)
-            result["world_size"] = 1
-            if "summary" in result:
-                result["measured"] = summarize(read_metrics(Path(result["summary"]["run_dir"])), 1)
-                baseline_tps = result["measured"]["tokens_per_sec_per_device"]
-            runs["baseline"] = result
-            if baseline_tps:
-                write_json(str(baseline_file), {"tokens_per_sec_per_device": baseline_tps, "world_size": 1,
-                                                "recipe": cfg.name, "steps": steps, "source": "shardlight profile"})
-    for strategy in strategies:
-        extra = [f"fsdp.sharding_strategy={strategy}", f"name=profile-{strategy.lower()}"]
-        if baseline_tps:
-            extra.append(f"callbacks.throughput.baseline_file={baseline_file}")
-        result = run_one(recipe, overrides + common + extra, out, strategy.lower(), timeout)
-        result["world_size"] = world
-        if "summary" in result:
-            result["measured"] = summarize(read_metrics(Path(result["summary"]["run_dir"])), world)
-            tps = result["measured"]["tokens_per_sec_per_device"]
-            result["measured"]["scaling_efficiency"] = tps / baseline_tps if tps and baseline_tps else None
-        row = _match(plan["strategies"], strategy, ckpt, offload)
-        if row is not None:
-            result["predicted"] = {k: row[k] for k in ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes",
-                                                       "activation_bytes", "logits_bytes", "comm_time_s",
-                                                       "compute_time_s", "step_time_s", "bound", "fits",
-                                                       "tokens_per_sec_per_device")}
-            measured = result.get("measured", {})
-            result["relative_error"] = {k: _rel(row[f"{k}_bytes"], measured.get(f"{k}_bytes")) for k in COMPARED}
-        runs[strategy] = result
+    return strategies
 
-    measured_ok = {s: r for s, r in runs.items() if s != "baseline" and (r.get("measured") or {}).get(
-        "tokens_per_sec_per_device")}
+
+def sweep_overrides(steps: int, out: Path) -> List[str]:
+    """The overrides every run of the sweep gets: its length, logging and profiling windows, its output."""
+    return [f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={LOG_EVERY}",
+            f"trainer.val_every_n_steps={steps * 10}", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
+            "callbacks.comm.first_step=2", f"callbacks.comm.every_n_steps={steps * 10}",
+            f"callbacks.memory.every_n_steps={LOG_EVERY}", f"callbacks.throughput.every_n_steps={LOG_EVERY}",
+            f"output_dir={out / 'runs'}"]
+
+
+def run_baseline(request: ProfileRequest, cfg: RecipeConfig, spec: ModelSpec, ckpt: bool, common: List[str],
+                 out: Path) -> Optional[Dict[str, Any]]:
+    """The 1-device NO_SHARD run, or None (with a line) when the plan says the model does not fit there."""
+    c = request.cluster
+    single = make_plan(spec, make_cluster(nodes=1, gpus_per_node=1, gpu_memory=c.gpu_memory,
+                                          peak_tflops=float(c.peak_tflops), mfu=float(c.mfu),
+                                          overhead_gb=float(c.overhead_gb)), workload_from_recipe(cfg))
+    one = find_row(single["strategies"], "NO_SHARD", ckpt, False)
+    if one is not None and not one["fits"]:
+        print(f"shardlight profile: baseline skipped: the plan says the model does not fit on one device "
+              f"({one['peak_bytes'] / GB:.1f} GB > {one['usable_bytes'] / GB:.1f} GB)")
+        return None
+    threads = []
+    if cfg.trainer.accelerator == "cpu" and cfg.trainer.num_threads is None:
+        # A CPU "device" is one rank and its threads: give the baseline what one sweep rank gets.
+        threads = [f"trainer.num_threads={max(1, (os.cpu_count() or 1) // cfg.trainer.devices)}"]
+    result = run_one(request.recipe, [*request.overrides, *common, *threads,
+                                      "trainer.devices=1", "trainer.num_nodes=1", "fsdp.sharding_strategy=NO_SHARD",
+                                      "fsdp.mesh_shape=null", "name=profile-baseline"], out, "baseline",
+                     request.timeout)
+    result["world_size"] = 1
+    measured = measure(result, 1)
+    if measured is not None:
+        result["measured"] = measured
+    return result
+
+
+def run_strategy(request: ProfileRequest, strategy: str, world: int, plan_row: Optional[Dict[str, Any]],
+                 common: List[str], out: Path, baseline_file: Optional[Path],
+                 baseline_tps: Optional[float]) -> Dict[str, Any]:
+    """One strategy's run, its measured numbers next to the plan's row for it (``plan_row``)."""
+    extra = [f"fsdp.sharding_strategy={strategy}", f"name=profile-{strategy.lower()}"]
+    if baseline_file is not None:
+        extra.append(f"callbacks.throughput.baseline_file={baseline_file}")
+    result = run_one(request.recipe, [*request.overrides, *common, *extra], out, strategy.lower(), request.timeout)
+    result["world_size"] = world
+    measured = measure(result, world)
+    if measured is not None:
+        tps = measured["tokens_per_sec_per_device"]
+        measured["scaling_efficiency"] = tps / baseline_tps if tps and baseline_tps else None
+        result["measured"] = measured
+    if plan_row is not None:
+        result["predicted"] = {k: plan_row[k] for k in PREDICTED_KEYS}
+        got = result.get("measured", {})
+        result["relative_error"] = {k: relative_error(plan_row[f"{k}_bytes"], got.get(f"{k}_bytes"))
+                                    for k in COMPARED}
+    return result
+
+
+def compare(plan: Dict[str, Any], runs: Dict[str, Dict[str, Any]], strategies: List[str], ckpt: bool,
+            offload: bool, gpu_memory: str) -> Tuple[Optional[str], Optional[str], List[str]]:
+    """(measured best, the plan's pick among the swept configurations, notes where they disagree)."""
+    measured_ok = successful(runs)
     best = max(measured_ok, key=lambda s: measured_ok[s]["measured"]["tokens_per_sec_per_device"]) \
         if measured_ok else None
     swept = [r for r in plan["strategies"] if r["sharding_strategy"] in strategies
@@ -215,7 +159,53 @@ def profile(args: Any) -> int:
                 notes.append(f"{s}: predicted {k} bytes differ from the measured local shard by {err:+.1%}")
         pred, meas = r.get("predicted"), r.get("measured")
         if pred and meas and not pred["fits"]:
-            notes.append(f"{s}: the plan says it does not fit in {args.gpu_memory}, yet it ran here")
+            notes.append(f"{s}: the plan says it does not fit in {gpu_memory}, yet it ran here")
+    return best, predicted, notes
+
+
+def successful(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The strategy runs (not the baseline) that measured a throughput."""
+    return {s: r for s, r in runs.items() if s != "baseline" and (r.get("measured") or {}).get(
+        "tokens_per_sec_per_device")}
+
+
+def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], Any]) -> int:
+    """Run the sweep, write the report into ``request.out_dir``; 1 when every run failed, else 0.
+
+    ``hf_config_for``: the recipe's ``model`` section → its Hugging Face config
+    (``shardlight.build.build_hf_config``; the planner sits below the builders and does not import them).
+    """
+    steps = request.steps
+    if not request.timeout > 0:
+        raise ShardlightError(f"--timeout must be positive, got {request.timeout}")
+    cfg = load_recipe(request.recipe, list(request.overrides))
+    strategies = sweep_strategies(request.strategies, cfg)
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    if steps < MIN_STEPS:
+        raise ShardlightError("--steps must be at least 6 (warm-up, one comm profiling window, throughput)")
+    spec = spec_from_recipe(cfg, hf_config_for(cfg.model))
+    plan = plan_for(spec, cluster_for(request.cluster, cfg), workload_for(request.workload, cfg),
+                    request.restrict_ckpt, request.restrict_offload)
+    out = Path(request.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt, offload = bool(cfg.fsdp.activation_checkpointing), bool(cfg.fsdp.cpu_offload or cfg.fsdp.offload_params)
+    common = sweep_overrides(steps, out)
+    runs: Dict[str, Dict[str, Any]] = {}
+    baseline_tps = None
+    baseline_file = out / "baseline.json"
+    if request.baseline:
+        baseline = run_baseline(request, cfg, spec, ckpt, common, out)
+        if baseline is not None:
+            baseline_tps = (baseline.get("measured") or {}).get("tokens_per_sec_per_device")
+            runs["baseline"] = baseline
+            if baseline_tps:
+                report.write_json(baseline_file, {"tokens_per_sec_per_device": baseline_tps, "world_size": 1,
+                                                  "recipe": cfg.name, "steps": steps, "source": "shardlight profile"})
+    for strategy in strategies:
+        runs[strategy] = run_strategy(request, strategy, world, find_row(plan["strategies"], strategy, ckpt, offload),
+                                      common, out, baseline_file if baseline_tps else None, baseline_tps)
+
+    best, predicted, notes = compare(plan, runs, strategies, ckpt, offload, request.cluster.gpu_memory)
     result = {
         "recipe": cfg.name, "steps": steps, "world_size": world, "out_dir": str(out),
         "measured_best": best, "plan_prediction": predicted,
@@ -223,8 +213,9 @@ def profile(args: Any) -> int:
         "notes": notes, "baseline_file": str(baseline_file) if baseline_tps else None, "runs": runs,
         "plan": plan,
     }
-    write_json(str(out / "profile.json"), result)
+    report.write_json(out / "profile.json", result)
     report.write_report(result, out, wandb_enabled=bool(cfg.logging.wandb.enabled), wandb_mode=cfg.logging.wandb.mode)
+    measured_ok = successful(runs)
     print(f"measured best: {best or 'none (no run succeeded)'}"
           + (f" ({measured_ok[best]['measured']['tokens_per_sec_per_device']:.0f} tokens/s/device)" if best else ""))
     print(f"plan predicted: {predicted} among {', '.join(strategies)}; overall recommendation "

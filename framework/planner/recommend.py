@@ -27,8 +27,9 @@ def params(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def _find(rows: List[Dict[str, Any]], strategy: str, ckpt: bool = False, offload: bool = False,
-          group: Optional[int] = None) -> Optional[Dict[str, Any]]:
+def find_row(rows: List[Dict[str, Any]], strategy: str, ckpt: bool = False, offload: bool = False,
+             group: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """The estimate of one configuration (any shard group size unless ``group``), or None."""
     for row in rows:
         if (row["sharding_strategy"] == strategy and row["activation_checkpointing"] == ckpt
                 and row["cpu_offload"] == offload and (group is None or row["shard_group_size"] == group)):
@@ -65,7 +66,7 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
     usable = cluster.usable_bytes
     reasons: List[str] = []
     best = choose(rows)
-    ddp = _find(every, "NO_SHARD") or next((r for r in every if r["sharding_strategy"] == "NO_SHARD"), None)
+    ddp = find_row(every, "NO_SHARD") or next((r for r in every if r["sharding_strategy"] == "NO_SHARD"), None)
     if ddp is not None:
         state_ddp = ddp["params_bytes"] + ddp["grads_bytes"] + ddp["optim_bytes"]
         reasons.append(
@@ -92,7 +93,7 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
         reasons.append(f"SHARD_GRAD_OP (ZeRO-2): {why}; the weights do fit, so parameters are gathered once per "
                        f"micro-batch and kept through backward ({gb(best['gather_buffer_bytes'])} unsharded).")
     elif name == "FULL_SHARD":
-        sgo = _find(every, "SHARD_GRAD_OP", best["activation_checkpointing"], best["cpu_offload"])
+        sgo = find_row(every, "SHARD_GRAD_OP", best["activation_checkpointing"], best["cpu_offload"])
         if sgo is not None and not sgo["fits"]:
             reasons.append(f"FULL_SHARD: the model does not fit unsharded alongside its shards "
                            f"(SHARD_GRAD_OP would need {gb(sgo['peak_bytes'])} per GPU); FULL_SHARD gathers one "
@@ -121,7 +122,8 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
                        r["cpu_offload"] for r in one_node) else "")
                 + f"A larger shard group (fsdp.mesh_shape) or FULL_SHARD over all {cluster.world_size} GPUs can.")
     if best["activation_checkpointing"]:
-        plain = _find(every, name, False, best["cpu_offload"], best["shard_group_size"] if name == "HYBRID_SHARD" else None)
+        plain = find_row(every, name, False, best["cpu_offload"],
+                         best["shard_group_size"] if name == "HYBRID_SHARD" else None)
         if plain is not None and not plain["fits"]:
             reasons.append(f"Activation checkpointing: without it activations need "
                            f"{gb(plain['activation_bytes'] + plain['logits_bytes'])} and the peak "
@@ -130,7 +132,7 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
         reasons.append(f"Offloaded state takes {gb(best['host_state_bytes'] * cluster.gpus_per_node)} of host RAM "
                        f"per node ({gb(cluster.host_memory_bytes)} available, 80% usable).")
     if best["cpu_offload"]:
-        on_gpu = _find(every, name, best["activation_checkpointing"], False,
+        on_gpu = find_row(every, name, best["activation_checkpointing"], False,
                        best["shard_group_size"] if name == "HYBRID_SHARD" else None)
         why = ("the sharded state does not fit on the GPU otherwise" if on_gpu is None or not on_gpu["fits"]
                else "as requested (it would fit without)")

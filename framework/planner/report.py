@@ -1,11 +1,17 @@
-"""``profile_report.md``, its PNG plots and the W&B table, from ``shardlight profile``'s result dict."""
+"""What ``shardlight profile`` writes from its result dict: ``profile.json`` (``write_json``),
+``profile_report.md``, its PNG plots and the W&B ``profile/strategies`` table.
+
+matplotlib and wandb are heavy: each is imported lazily, in the one function that draws or logs.
+"""
 
 from __future__ import annotations
 
-import warnings
+import json
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from shardlight.errors import ShardlightError, warn
 from shardlight.planner.estimate import GB
 
 COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
@@ -37,8 +43,18 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON (anything else as its ``str``); an unwritable path is one clear error."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise ShardlightError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def plots(result: Dict[str, Any], out: Path) -> List[str]:
-    import matplotlib
+    """The three PNGs (communication, memory per rank, throughput) in ``out``; their file names."""
+    import matplotlib  # heavy: lazy
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -107,10 +123,8 @@ def plots(result: Dict[str, Any], out: Path) -> List[str]:
 
 def log_wandb_table(result: Dict[str, Any], out: Path, mode: Optional[str]) -> Optional[str]:
     """A W&B run in ``out/wandb`` with the ``profile/strategies`` table; failures are warnings."""
-    import os
-
     try:
-        import wandb
+        import wandb  # heavy, and a failure here is a warning: lazy
 
         run_mode = mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         if run_mode == "disabled":
@@ -123,11 +137,13 @@ def log_wandb_table(result: Dict[str, Any], out: Path, mode: Optional[str]) -> O
         run.finish()
         return "profile/strategies"
     except Exception as exc:  # noqa: BLE001 - the report must still be written
-        warnings.warn(f"shardlight: W&B profile table failed: {type(exc).__name__}: {exc}", RuntimeWarning)
+        warn(f"W&B profile table failed: {type(exc).__name__}: {exc}")
         return None
 
 
-def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True, wandb_mode: Optional[str] = None) -> None:
+def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
+                 wandb_mode: Optional[str] = None) -> None:
+    """``out/profile_report.md`` with the plots and, when enabled, the W&B table."""
     images = plots(result, out)
     table = log_wandb_table(result, out, wandb_mode) if wandb_enabled else None
     rec = result["plan_recommendation"]
