@@ -349,11 +349,6 @@ def make_blocks(ds, seq_len: int, pad_id: int, packing: bool, keep_partial: bool
     return BlockDataset(ids[scored], labels[scored], mask[scored])
 
 
-def count_label_tokens(batch: Dict[str, torch.Tensor]) -> int:
-    """Tokens that contribute to the causal-LM loss: ``labels[..., 1:] != -100`` (HF models shift labels)."""
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
-
-
 # ---- data module
 class SFTDataModule(pl.LightningDataModule):
     def __init__(self, cfg: RecipeConfig, tokenizer):

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlight.recipe import RecipeConfig, load_recipe
 from shardlight.build import build_tokenizer
-from shardlight.data import IGNORE_INDEX, SFTDataModule, check_data, count_label_tokens
+from shardlight.data import IGNORE_INDEX, SFTDataModule, check_data
 from shardlight.errors import ShardlightError
+from shardlight.recipe import RecipeConfig, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TOK_DIR = REPO / "recipes" / "assets" / "tiny-tokenizer"
@@ -86,6 +86,11 @@ def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ShardlightError, match="tokenizer not found") as exc:
         build_tokenizer(cfg)
     assert "\n" not in str(exc.value)
+
+
+def count_label_tokens(batch):
+    """Tokens that contribute to the causal-LM loss: ``labels[..., 1:] != -100`` (HF models shift labels)."""
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
 # --------------------------------------------------------------------------------------------- packing

@@ -14,6 +14,7 @@ import torch
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe import OptimConfig
+from shardlight.recipe.schema import OPTIMIZERS
 
 
 def check_optimizer(optim: OptimConfig, uses_gpu: bool) -> None:
@@ -42,7 +43,7 @@ def build_optimizer(groups: List[Dict[str, Any]], optim: OptimConfig) -> torch.o
         import bitsandbytes as bnb  # checked by check_optimizer before spawn
 
         return bnb.optim.AdamW8bit(groups, lr=optim.lr, betas=betas, eps=optim.eps)
-    raise ShardlightError(f"optim.name '{optim.name}' is not allowed; allowed values: adamw, adam, sgd, adamw8bit")
+    raise ShardlightError(f"optim.name '{optim.name}' is not allowed; allowed values: {', '.join(OPTIMIZERS)}")
 
 
 def lr_lambda(optim: OptimConfig, max_steps: int) -> Callable[[int], float]:

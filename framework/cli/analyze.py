@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from shardlight.files import write_json
+from shardlight.trace.analysis import analyze_traces
+from shardlight.trace.report import format_summary, format_table, write_plot
+
 ANALYZE_HELP = "communication vs computation per rank from PyTorch profiler traces (HTA-compatible)"
 ANALYZE_DESCRIPTION = """\
 Read PyTorch profiler (Kineto) chrome traces, one file per rank (.json or .json.gz; the rank
@@ -33,16 +37,13 @@ def add_parsers(subparsers) -> None:
 
 
 def run_analyze(args) -> int:
-    from shardlight.trace.analysis import analyze_traces
-    from shardlight.trace.report import format_summary, format_table, write_json, write_plot
-
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step)
     print(format_table(analysis))
     summary = format_summary(analysis)
     if summary:
         print(summary)
     if args.json_out:
-        write_json(analysis, args.json_out)
+        write_json(args.json_out, analysis)
         print(f"wrote {args.json_out}")
     if args.plot_out:
         write_plot(analysis, args.plot_out)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from shardlight.errors import ShardlightError
+from shardlight.files import write_json  # noqa: F401  (re-exported: the commands' --json outputs)
 
 
 def add_recipe_items(parser: Any) -> None:
@@ -47,11 +46,3 @@ def parse_on_off(name: str, value: Optional[str]) -> Optional[bool]:
     if value.lower() in ("off", "false", "no", "0"):
         return False
     raise ShardlightError(f"{name} must be on, off or auto, got '{value}'")
-
-
-def write_json(path: str, data: Any) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise ShardlightError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -37,6 +37,9 @@ from typing import Any, Dict, List, Optional
 from shardlight.errors import ShardlightError
 from shardlight.planner.model_spec import ModelSpec
 
+# The optimizers the planner costs: the recipe's optim.name values, what training builds.
+from shardlight.recipe.schema import OPTIMIZERS
+
 GB = 1e9
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
@@ -49,8 +52,6 @@ HOST_OPTIM_BW = 10.0     # GB/s of optimizer-state traffic a host core set susta
 COLLECTIVE_LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-# The optimizers the planner costs (and training builds, by the same names: ``optim.name``).
-OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
 # State per parameter element, in multiples of the storage dtype's bytes (8-bit AdamW: 2 x 1 byte).
 OPTIMIZER_STATES = dict(zip(OPTIMIZERS, (2.0, 2.0, 1.0, 0.5)))
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")

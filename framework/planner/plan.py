@@ -121,7 +121,8 @@ def workload_from_recipe(cfg: RecipeConfig) -> Workload:
     t = cfg.trainer
     work = Workload(micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     accumulate_grad_batches=t.accumulate_grad_batches, precision=t.precision,
-                    param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa")
+                    param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa",
+                    optimizer=cfg.optim.name)
     if cfg.fsdp.backward_prefetch == "NO_PREFETCH":
         work.prefetch = 0
     return work

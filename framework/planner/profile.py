@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
+from shardlight.files import write_json
 from shardlight.planner import report
 from shardlight.planner.estimate import GB, STRATEGIES, make_cluster
 from shardlight.planner.model_spec import ModelSpec
@@ -199,7 +200,7 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
             baseline_tps = (baseline.get("measured") or {}).get("tokens_per_sec_per_device")
             runs["baseline"] = baseline
             if baseline_tps:
-                report.write_json(baseline_file, {"tokens_per_sec_per_device": baseline_tps, "world_size": 1,
+                write_json(baseline_file, {"tokens_per_sec_per_device": baseline_tps, "world_size": 1,
                                                   "recipe": cfg.name, "steps": steps, "source": "shardlight profile"})
     for strategy in strategies:
         runs[strategy] = run_strategy(request, strategy, world, find_row(plan["strategies"], strategy, ckpt, offload),
@@ -213,7 +214,7 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
         "notes": notes, "baseline_file": str(baseline_file) if baseline_tps else None, "runs": runs,
         "plan": plan,
     }
-    report.write_json(out / "profile.json", result)
+    write_json(out / "profile.json", result)
     report.write_report(result, out, wandb_enabled=bool(cfg.logging.wandb.enabled), wandb_mode=cfg.logging.wandb.mode)
     measured_ok = successful(runs)
     print(f"measured best: {best or 'none (no run succeeded)'}"

@@ -1,4 +1,4 @@
-"""What ``shardlight profile`` writes from its result dict: ``profile.json`` (``write_json``),
+"""What ``shardlight profile`` writes from its result dict (besides ``profile.json``):
 ``profile_report.md``, its PNG plots and the W&B ``profile/strategies`` table.
 
 matplotlib and wandb are heavy: each is imported lazily, in the one function that draws or logs.
@@ -6,12 +6,11 @@ matplotlib and wandb are heavy: each is imported lazily, in the one function tha
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from shardlight.errors import ShardlightError, warn
+from shardlight.errors import warn
 from shardlight.planner.estimate import GB
 
 COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
@@ -41,15 +40,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """``data`` as indented JSON (anything else as its ``str``); an unwritable path is one clear error."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise ShardlightError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def plots(result: Dict[str, Any], out: Path) -> List[str]:

@@ -61,11 +61,15 @@ class DataConfig:
     num_workers: int = field(default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."})
 
 
+# The optimizers training builds (shardlight.build.optimizer) and the planner costs (shardlight.planner).
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+
+
 @dataclass
 class OptimConfig:
     name: str = field(
         default="adamw",
-        metadata={"allowed": ("adamw", "adam", "sgd", "adamw8bit"),
+        metadata={"allowed": OPTIMIZERS,
                   "help": "adamw, adam, sgd (momentum betas[0]) or adamw8bit (bitsandbytes, GPU); the planner's names."},
     )
     lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak learning rate."})

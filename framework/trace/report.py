@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +61,6 @@ def format_summary(analysis: dict[str, Any]) -> str:
     for item in summary.get("skipped", []):
         lines.append(f"skipped {item['file']}: {item['reason']}")
     return "\n".join(lines)
-
-
-def write_json(analysis: dict[str, Any], out: str | Path) -> None:
-    out = Path(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(analysis, indent=2, sort_keys=False) + "\n")
-    except OSError as exc:
-        raise ShardlightError(f"{out}: cannot write JSON ({exc.strerror or exc})") from None
 
 
 def _stack(axis, labels: list[str], results: list[dict[str, Any]], title: str) -> None:
