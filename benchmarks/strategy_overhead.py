@@ -30,8 +30,8 @@ OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0", "train
 def shardlight_worker(out: Path) -> None:
     import lightning.pytorch as pl
 
-    from shardlight.recipe import load_recipe
     from shardlight.build import build_datamodule, build_module
+    from shardlight.recipe import load_recipe
     from shardlight.runtime import RunContext
     from shardlight.train import build_trainer, preflight, resolve_run_dir
 
@@ -67,9 +67,9 @@ def raw_rank(rank: int, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from shardlight.recipe import load_recipe
     from shardlight.build import build_tokenizer
     from shardlight.data import SFTDataModule
+    from shardlight.recipe import load_recipe
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo")
@@ -90,7 +90,7 @@ def raw_rank(rank: int, out: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     times = []
-    for step, batch in zip(range(STEPS), loader):
+    for _, batch in zip(range(STEPS), loader):
         start = time.perf_counter()
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
         labels = batch["labels"][:, 1:]

@@ -52,6 +52,7 @@ from shardlight.callbacks._common import (
 )
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
+from shardlight.trace import analyze_trace_file
 
 COLLECTIVE_KEYS = {"all_gather": "comm/all_gather_ms", "reduce_scatter": "comm/reduce_scatter_ms",
                    "all_reduce": "comm/all_reduce_ms"}
@@ -258,8 +259,6 @@ class CommTimeCallback(Callback):
         except (AttributeError, OSError):
             pass
         try:
-            from shardlight.trace import analyze_trace_file
-
             prof.export_chrome_trace(str(window["file"]))
             result = analyze_trace_file(window["file"])
             window["result"] = {"metrics": window_metrics(result, window["seconds"])}

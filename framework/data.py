@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shardlight.data_loader import ResumableDataLoader
 from shardlight.errors import ShardlightError, first_line
 from shardlight.recipe import DataConfig, RecipeConfig
 
@@ -423,8 +424,6 @@ class SFTDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.cfg.data.num_workers
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed) if train else None
-        from shardlight.checkpoint import ResumableDataLoader  # training resumes mid-epoch from a checkpoint
-
         loader_cls = ResumableDataLoader if train else DataLoader
         return loader_cls(dataset, batch_size=self.cfg.trainer.micro_batch_size, shuffle=train,
                           generator=generator, drop_last=train, num_workers=workers,

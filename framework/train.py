@@ -1,12 +1,12 @@
-"""``shardlight train``: typed recipe → builders (model, data, strategy, loggers) → ``Trainer.fit``.
+"""``shardlight train``: typed recipe → builders (``shardlight.build``) → ``Trainer.fit`` → export, summary.
 
-Read top to bottom: preflight checks (before any rank is spawned or anything is written), run dir,
-builders, fit, final validation, export of the full model with ``save_pretrained``, summary.
+Read top to bottom: ``preflight`` (every check that needs no training, before any rank is spawned or anything
+is written), then ``train``: run dir, builders, fit, final validation, the verified Hugging Face export of the
+full model, summary.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from pathlib import Path
@@ -15,17 +15,15 @@ from typing import Any, Dict, Optional
 import datasets
 import lightning.pytorch as pl
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from shardlight.build import build_datamodule, build_hf_config, build_module, build_tokenizer, build_trainer
 from shardlight.build.optimizer import check_optimizer
-from shardlight.checkpoint import find_callback, resolve_resume
+from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
 from shardlight.data import check_data
 from shardlight.errors import ShardlightError
-from shardlight.export import export_checkpoint
+from shardlight.files import write_json
 from shardlight.launch import launcher_named
-from shardlight.model import clean_param_name
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
@@ -79,51 +77,6 @@ def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
     return Path(cfg.output_dir).resolve() / cfg.name / launcher_named(ctx.launcher).run_dir_name(ctx.job_id)
 
 
-def save_hf_model(trainer, module, tokenizer, model_dir: Path) -> None:
-    """Gather the full weights onto rank 0 and write ``save_pretrained`` safetensors + tokenizer."""
-    state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else None
-    if not trainer.is_global_zero:
-        return
-    if state is None:
-        state = module.state_dict()
-    prefix = "model."
-    weights = {clean_param_name(k)[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    config = module.model.config
-    with torch.device("meta"):
-        fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=module.cfg.model.trust_remote_code)
-    fresh.load_state_dict(weights, strict=False, assign=True)
-    missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-    if missing:
-        raise RuntimeError(f"export is missing weights: {missing[:5]}")
-    fresh.tie_weights()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(str(model_dir))
-    tokenizer.save_pretrained(str(model_dir))
-
-
-EXPORT_CHECK_FILE = "export_check.safetensors"
-
-
-@torch.no_grad()
-def verify_export(trainer, model_dir: Path, run_dir: Path, vocab_size: int, seed: int) -> Optional[float]:
-    """Logits of the trained (sharded) model vs the exported one on a fixed batch; max |diff| on rank 0.
-
-    The batch and the reference logits are kept in the run dir so the check can be repeated offline.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (2, 32), generator=generator)
-    root = trainer.strategy.model
-    was_training = root.training
-    root.eval()
-    reference = root(input_ids=input_ids.to(trainer.strategy.root_device)).float().cpu()
-    root.train(was_training)
-    if not trainer.is_global_zero:
-        return None
-    save_file({"input_ids": input_ids, "logits": reference.contiguous()}, str(run_dir / EXPORT_CHECK_FILE))
-    reloaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return float((reloaded(input_ids=input_ids).logits.float() - reference).abs().max())
-
-
 def _quiet_known_noise() -> None:
     datasets.disable_progress_bars()
     # Our validation loss is already reduced across ranks; Lightning cannot know that.
@@ -143,6 +96,8 @@ def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, 
 
 
 def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
+    """One run on this process's rank: preflight, run dir and resume decision (made once, handed to the ranks
+    Lightning spawns), builders, fit, final validation, verified export, summary."""
     started = time.time()
     _quiet_known_noise()
     tokenizer = preflight(cfg)
@@ -171,29 +126,27 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wrap = getattr(trainer.strategy, "wrap_report", None)
     if wrap and trainer.is_global_zero:
-        (run_dir / "wrap_report.json").write_text(json.dumps(wrap, indent=2) + "\n")
+        write_json(run_dir / "wrap_report.json", wrap)
         for logger in trainer.loggers:
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
-    model_dir = run_dir / "model"
-    save_hf_model(trainer, module, tokenizer, model_dir)
-    export_diff = verify_export(trainer, model_dir, run_dir, module.model.config.vocab_size, cfg.trainer.seed)
+    exported = export_live(trainer, module, tokenizer, run_dir)  # every rank: the full weights are gathered
+    model_dir = exported["model_dir"]
 
     summary = {
         "first_val_loss": module.first_val_loss,
         "final_val_loss": module.last_val_loss,
         "steps": trainer.global_step,
         "run_dir": str(run_dir),
-        "model_dir": str(model_dir),
+        "model_dir": model_dir,
         "wall_time_s": round(time.time() - started, 2),
         "world_size": trainer.world_size,
-        "export_max_abs_diff": export_diff,
+        "export_max_abs_diff": exported["export_max_abs_diff"],
     }
     summary.update(_checkpoint_summary(cfg, trainer, run_dir))
     if trainer.is_global_zero:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(run_dir / "summary.json", summary)
         if summary_json:
-            Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+            write_json(summary_json, summary)
         losses = "" if module.first_val_loss is None else (
             f", val loss {module.first_val_loss:.4f} -> {module.last_val_loss:.4f}")
         print(f"shardlight: {summary['steps']} steps{losses}, model in {model_dir}")

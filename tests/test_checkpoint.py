@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import save_tiny_llama, REPO, forbid_training, run_cli
+from conftest import REPO, forbid_training, run_cli, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -305,9 +304,9 @@ def test_full_params_fsdp1_and_fsdp2(tmp_path):
 
 
 def test_checkpoint_keys_and_collective_timeout():
-    from shardlight.recipe import load_recipe
+    from shardlight.build import build_strategy
     from shardlight.errors import ShardlightError
-    from shardlight.train import build_strategy
+    from shardlight.recipe import load_recipe
 
     cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
                              "resume_dir=/x", "export=true", "trainer.collective_timeout_s=45"])
@@ -319,9 +318,10 @@ def test_checkpoint_keys_and_collective_timeout():
 
 
 def test_resume_discovery_skips_incomplete_checkpoints(tmp_path, monkeypatch):
-    from shardlight.checkpoint_store import META, find_resume, newest_checkpoint
-    from shardlight.recipe import load_recipe
+    from shardlight.checkpoint.resume import find_resume
+    from shardlight.checkpoint.store import META, newest_checkpoint
     from shardlight.errors import ShardlightError
+    from shardlight.recipe import load_recipe
 
     def fake(run, step, complete=True):
         d = tmp_path / "runs" / "r" / run / "checkpoints" / f"step-{step}"
@@ -331,7 +331,7 @@ def test_resume_discovery_skips_incomplete_checkpoints(tmp_path, monkeypatch):
             (d / META).write_text(json.dumps({"files": {}}))
         return d
 
-    monkeypatch.setattr("shardlight.checkpoint_store.verify_checkpoint", lambda path: {})
+    monkeypatch.setattr("shardlight.checkpoint.resume.verify_checkpoint", lambda path: {})
     old = fake("20260101-000000", 4)
     assert newest_checkpoint(old.parent) == old
     fake("20260101-000000", 6, complete=False)  # a save that never finished

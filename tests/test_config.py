@@ -4,11 +4,11 @@ import json
 import textwrap
 
 import pytest
+from conftest import DEFAULT_RECIPE, REPO, forbid_training
 
-from conftest import forbid_training, DEFAULT_RECIPE, REPO
 from shardlight.cli import main
-from shardlight.recipe import load_recipe, to_yaml
 from shardlight.errors import ShardlightError
+from shardlight.recipe import load_recipe, to_yaml
 
 
 def write(path, text):

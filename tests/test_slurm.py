@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
 
 SCRIPT = REPO / "launch" / "testing" / "slurm_local.sh"

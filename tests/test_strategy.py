@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, forbid_training, run_cli, save_tiny_llama
 from safetensors.torch import load_file
 
-from conftest import save_tiny_llama, forbid_training, REPO, run_cli
 from shardlight.cli import main
 
 WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
@@ -68,9 +68,9 @@ def reference_weights(recipe, world_size, accumulate=1):
     micro-batches) of each rank's token-mean loss, global-norm clipping, AdamW with the same groups."""
     from torch.utils.data import DistributedSampler, default_collate
 
-    from shardlight.recipe import load_recipe
     from shardlight.build import build_module, build_tokenizer
     from shardlight.data import SFTDataModule
+    from shardlight.recipe import load_recipe
 
     cfg = load_recipe(str(recipe), [f"trainer.devices={world_size}", f"trainer.accumulate_grad_batches={accumulate}"])
     datamodule = SFTDataModule(cfg, build_tokenizer(cfg))

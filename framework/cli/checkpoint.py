@@ -1,9 +1,44 @@
-"""``shardlight export`` and ``shardlight inspect``."""
+"""``shardlight export`` and ``shardlight inspect``: argument parsing over ``shardlight.checkpoint``."""
 
 from __future__ import annotations
 
-from shardlight.export import add_checkpoint_parsers
+import argparse
+from pathlib import Path
+from typing import Any
+
+from shardlight.checkpoint import export_checkpoint, format_inspect, inspect_checkpoint
+from shardlight.files import write_json
 
 
-def add_parsers(subparsers) -> None:
-    add_checkpoint_parsers(subparsers)
+def run_export(args: argparse.Namespace) -> int:
+    report = export_checkpoint(Path(args.checkpoint), Path(args.out))
+    verdict = "OK" if report["ok"] else "FAILED"
+    print(f"exported {report['checkpoint']} -> {report['out']}; reload check (fp32 logits, fixed batch): "
+          f"max |diff| = {report['max_abs_diff']:.3g} (tolerance {report['tolerance']:g}): {verdict}")
+    return 0 if report["ok"] else 1
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    listing = inspect_checkpoint(Path(args.checkpoint), include_optimizer=args.all)
+    if args.json:
+        write_json(args.json, listing)
+    print(format_inspect(listing))
+    return 0
+
+
+def add_parsers(subparsers: Any) -> None:
+    export = subparsers.add_parser(
+        "export", help="sharded checkpoint -> Hugging Face save_pretrained dir, verified",
+        description="Write save_pretrained safetensors + config + tokenizer from a sharded checkpoint, reload "
+        "them with AutoModelForCausalLM.from_pretrained and compare logits with the checkpoint's model.")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoints/step-N dir (or a run dir: its newest)")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.set_defaults(func=run_export)
+    inspect = subparsers.add_parser(
+        "inspect", help="list the tensors of a sharded checkpoint from its metadata",
+        description="Parameter names, full shapes, dtypes, shard layout per rank and bytes, from DCP metadata "
+        "(no weights are loaded).")
+    inspect.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoints/step-N dir (or a run dir)")
+    inspect.add_argument("--all", action="store_true", help="also list optimizer state")
+    inspect.add_argument("--json", metavar="PATH", help="also write the listing as JSON")
+    inspect.set_defaults(func=run_inspect)

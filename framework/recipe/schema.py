@@ -19,10 +19,20 @@ class ModelConfig:
         default=None,
         metadata={"help": "Inline Hugging Face architecture config (needs model_type); builds with from_config."},
     )
-    dtype: str = field(default="float32", metadata={"allowed": ('float32', 'bfloat16', 'float16'), "help": "Weight dtype at load: float32, bfloat16, float16."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "allowed": ("float32", "bfloat16", "float16"),
+            "help": "Weight dtype at load: float32, bfloat16, float16.",
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run code shipped with the model repo."})
     attn_implementation: Optional[str] = field(
-        default="sdpa", metadata={"allowed": (None, 'eager', 'sdpa', 'flash_attention_2', 'flex_attention'), "help": "eager, sdpa or flash_attention_2 (null: transformers' choice)."}
+        default="sdpa",
+        metadata={
+            "allowed": (None, "eager", "sdpa", "flash_attention_2", "flex_attention"),
+            "help": "eager, sdpa or flash_attention_2 (null: transformers' choice).",
+        },
     )
 
 
@@ -47,7 +57,10 @@ class DataConfig:
     val_fraction: float = field(
         default=0.05, metadata={"help": "Held-out fraction of the training rows when no validation data is given."}
     )
-    format: str = field(default="instruction", metadata={"allowed": ('text', 'instruction', 'chat'), "help": "text, instruction or chat."})
+    format: str = field(
+        default="instruction",
+        metadata={"allowed": ("text", "instruction", "chat"), "help": "text, instruction or chat."},
+    )
     text_field: str = field(default="text", metadata={"help": "Column with raw text (format: text)."})
     prompt_field: str = field(default="prompt", metadata={"help": "Column with the prompt (format: instruction)."})
     response_field: str = field(default="response", metadata={"help": "Column with the answer (format: instruction)."})
@@ -58,7 +71,9 @@ class DataConfig:
     )
     seq_len: int = field(default=256, metadata={"positive": True, "help": "Tokens per training sequence."})
     packing: bool = field(default=True, metadata={"help": "Concatenate examples into seq_len blocks."})
-    num_workers: int = field(default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."})
+    num_workers: int = field(
+        default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."}
+    )
 
 
 # The optimizers training builds (shardlight.build.optimizer) and the planner costs (shardlight.planner).
@@ -69,8 +84,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
 class OptimConfig:
     name: str = field(
         default="adamw",
-        metadata={"allowed": OPTIMIZERS,
-                  "help": "adamw, adam, sgd (momentum betas[0]) or adamw8bit (bitsandbytes, GPU); the planner's names."},
+        metadata={
+            "allowed": OPTIMIZERS,
+            "help": "adamw, adam, sgd (momentum betas[0]) or adamw8bit (bitsandbytes, GPU); the planner's names.",
+        },
     )
     lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak learning rate."})
     betas: List[float] = field(
@@ -81,24 +98,43 @@ class OptimConfig:
         default=0.0, metadata={"non_negative": True, "help": "Weight decay (decoupled for adamw, L2 for adam/sgd)."}
     )
     warmup_steps: int = field(default=0, metadata={"non_negative": True, "help": "Linear warmup steps from 0 to lr."})
-    schedule: str = field(default="cosine", metadata={"allowed": ('cosine', 'linear', 'constant'), "help": "cosine, linear or constant after warmup."})
-    min_lr_ratio: float = field(default=0.1, metadata={"non_negative": True, "help": "Final lr as a fraction of lr (cosine, linear)."})
+    schedule: str = field(
+        default="cosine",
+        metadata={"allowed": ("cosine", "linear", "constant"), "help": "cosine, linear or constant after warmup."},
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"non_negative": True, "help": "Final lr as a fraction of lr (cosine, linear)."}
+    )
 
 
 @dataclass
 class TrainerConfig:
     max_steps: int = field(default=100, metadata={"positive": True, "help": "Optimizer steps to train."})
-    micro_batch_size: int = field(default=8, metadata={"positive": True, "help": "Sequences per rank per forward pass."})
-    accumulate_grad_batches: int = field(default=1, metadata={"positive": True, "help": "Micro-batches per optimizer step."})
-    precision: str = field(
-        default="32-true", metadata={"allowed": ('32-true', '32', 'bf16-mixed', 'bf16-true', '16-mixed', '16-true'), "help": "Lightning precision: 32-true, bf16-mixed, bf16-true, 16-mixed."}
+    micro_batch_size: int = field(
+        default=8, metadata={"positive": True, "help": "Sequences per rank per forward pass."}
     )
-    accelerator: str = field(default="auto", metadata={"allowed": ('auto', 'cpu', 'gpu', 'cuda'), "help": "auto, cpu, gpu or cuda."})
+    accumulate_grad_batches: int = field(
+        default=1, metadata={"positive": True, "help": "Micro-batches per optimizer step."}
+    )
+    precision: str = field(
+        default="32-true",
+        metadata={
+            "allowed": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
+            "help": "Lightning precision: 32-true, bf16-mixed, bf16-true, 16-mixed.",
+        },
+    )
+    accelerator: str = field(
+        default="auto", metadata={"allowed": ("auto", "cpu", "gpu", "cuda"), "help": "auto, cpu, gpu or cuda."}
+    )
     devices: int = field(default=1, metadata={"positive": True, "help": "Ranks (processes) per node."})
     num_nodes: int = field(default=1, metadata={"positive": True, "help": "Nodes."})
     seed: int = field(default=1234, metadata={"help": "Seed for weights, shuffling and dropout."})
-    log_every_n_steps: int = field(default=10, metadata={"positive": True, "help": "Logging interval in optimizer steps."})
-    val_every_n_steps: int = field(default=50, metadata={"positive": True, "help": "Validation interval in optimizer steps."})
+    log_every_n_steps: int = field(
+        default=10, metadata={"positive": True, "help": "Logging interval in optimizer steps."}
+    )
+    val_every_n_steps: int = field(
+        default=50, metadata={"positive": True, "help": "Validation interval in optimizer steps."}
+    )
     limit_val_batches: Optional[int] = field(default=None, metadata={"help": "Cap on validation batches per rank."})
     gradient_clip_val: Optional[float] = field(default=1.0, metadata={"help": "Clip the gradient norm (null: off)."})
     num_threads: Optional[int] = field(
@@ -106,7 +142,8 @@ class TrainerConfig:
     )
     progress_bar: bool = field(default=True, metadata={"help": "Show Lightning's progress bar on rank 0."})
     collective_timeout_s: int = field(
-        default=1800, metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."}
+        default=1800,
+        metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."},
     )
 
 
@@ -120,17 +157,26 @@ class FSDPConfig:
     none) and ``use_orig_params: true`` for FSDP1 (needed for per-parameter optimizer groups).
     """
 
-    fsdp_version: int = field(default=1, metadata={"allowed": (1, 2), "help": "1: FullyShardedDataParallel; 2: fully_shard (DTensor)."})
+    fsdp_version: int = field(
+        default=1, metadata={"allowed": (1, 2), "help": "1: FullyShardedDataParallel; 2: fully_shard (DTensor)."}
+    )
     sharding_strategy: Optional[str] = field(
         default=None,
-        metadata={"allowed": (None, 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2'), "help": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 (null: FULL_SHARD)."},
+        metadata={
+            "allowed": (None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"),
+            "help": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 (null: FULL_SHARD).",
+        },
     )
     reshard_after_forward: Optional[Any] = field(
         default=None,
         metadata={"help": "FSDP2: free gathered params after forward (true ~ FULL_SHARD, false ~ SHARD_GRAD_OP)."},
     )
     auto_wrap_policy: str = field(
-        default="TRANSFORMER_BASED_WRAP", metadata={"allowed": ('TRANSFORMER_BASED_WRAP', 'SIZE_BASED_WRAP', 'NO_WRAP'), "help": "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."}
+        default="TRANSFORMER_BASED_WRAP",
+        metadata={
+            "allowed": ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+            "help": "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP.",
+        },
     )
     transformer_cls_names_to_wrap: Optional[List[str]] = field(
         default=None, metadata={"help": "Block classes to wrap (null: the model's _no_split_modules)."}
@@ -143,10 +189,14 @@ class FSDPConfig:
     )
     backward_prefetch: Optional[str] = field(
         default=None,
-        metadata={"allowed": (None, 'BACKWARD_PRE', 'BACKWARD_POST', 'NO_PREFETCH'), "help": "FSDP1: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH (null: BACKWARD_PRE; FSDP2: invalid)."},
+        metadata={
+            "allowed": (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
+            "help": "FSDP1: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH (null: BACKWARD_PRE; FSDP2: invalid).",
+        },
     )
     forward_prefetch: Optional[bool] = field(
-        default=None, metadata={"help": "FSDP1: issue the next all-gather during forward (null: false; FSDP2: invalid)."}
+        default=None,
+        metadata={"help": "FSDP1: issue the next all-gather during forward (null: false; FSDP2: invalid)."},
     )
     limit_all_gathers: bool = field(default=True, metadata={"help": "FSDP1: rate-limit all-gathers in flight."})
     use_orig_params: Optional[bool] = field(
@@ -158,7 +208,10 @@ class FSDPConfig:
     )
     state_dict_type: Optional[str] = field(
         default=None,
-        metadata={"allowed": (None, 'FULL_STATE_DICT', 'SHARDED_STATE_DICT'), "help": "FULL_STATE_DICT or SHARDED_STATE_DICT (null: FULL for FSDP1, SHARDED for FSDP2)."},
+        metadata={
+            "allowed": (None, "FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+            "help": "FULL_STATE_DICT or SHARDED_STATE_DICT (null: FULL for FSDP1, SHARDED for FSDP2).",
+        },
     )
     sync_module_states: Optional[bool] = field(
         default=None, metadata={"help": "FSDP1: broadcast rank 0's weights at wrap time (null: false)."}
@@ -171,7 +224,10 @@ class FSDPConfig:
     )
     mixed_precision: Optional[str] = field(
         default=None,
-        metadata={"allowed": (None, 'no', 'bf16', 'fp16', 'fp32'), "help": "FSDP param/reduce dtype: bf16, fp16, fp32 or no (null: from trainer.precision)."},
+        metadata={
+            "allowed": (None, "no", "bf16", "fp16", "fp32"),
+            "help": "FSDP param/reduce dtype: bf16, fp16, fp32 or no (null: from trainer.precision).",
+        },
     )
     mixed_precision_policy: Optional[str] = field(
         default=None, metadata={"help": "Alias of mixed_precision (Accelerate's field name)."}
@@ -196,7 +252,11 @@ class WandbConfig:
     group: Optional[str] = field(default=None, metadata={"help": "W&B group."})
     name: Optional[str] = field(default=None, metadata={"help": "W&B run name (null: the run dir name)."})
     mode: Optional[str] = field(
-        default=None, metadata={"allowed": (None, 'online', 'offline', 'disabled'), "help": "online, offline or disabled (null: offline unless WANDB_API_KEY is set)."}
+        default=None,
+        metadata={
+            "allowed": (None, "online", "offline", "disabled"),
+            "help": "online, offline or disabled (null: offline unless WANDB_API_KEY is set).",
+        },
     )
     tags: List[str] = field(default_factory=list, metadata={"help": "W&B tags."})
 
@@ -222,7 +282,9 @@ class CheckpointConfig:
     every_n_steps: Optional[int] = field(
         default=100, metadata={"positive": True, "help": "Optimizer steps between checkpoints (null: only at the end)."}
     )
-    keep_last: Optional[int] = field(default=2, metadata={"positive": True, "help": "Keep this many newest checkpoints (null: all)."})
+    keep_last: Optional[int] = field(
+        default=2, metadata={"positive": True, "help": "Keep this many newest checkpoints (null: all)."}
+    )
     save_last: bool = field(default=True, metadata={"help": "Also save when training ends."})
 
 

@@ -1,6 +1,15 @@
-"""The FSDP strategy: a Lightning strategy speaking Accelerate's FSDP plugin vocabulary (FSDP1 and FSDP2)."""
+"""The FSDP strategy, FSDP1 and FSDP2, in Accelerate's FSDP plugin vocabulary. What lives where:
 
-from shardlight.strategy.fsdp import ShardlightFSDPStrategy
+- ``options``: the recipe's ``fsdp:`` section (+ precision, world) → ``ResolvedFSDP``, via Accelerate's plugin.
+- ``wrapping``: which modules become FSDP units, and the wrap report.
+- ``fsdp1``: ``apply_fsdp1`` (``FullyShardedDataParallel``); ``fsdp2``: ``apply_fsdp2`` (``fully_shard``).
+- ``lightning``: ``ShardlightFSDPStrategy``, the Lightning adapter calling them from its hooks.
+- ``unshard``: ``full_params``, full parameters of a sharded model in a block (``fsdp1`` registers its roots).
+"""
+
+from shardlight.strategy.fsdp1 import apply_fsdp1
+from shardlight.strategy.fsdp2 import apply_fsdp2
+from shardlight.strategy.lightning import ShardlightFSDPStrategy
 from shardlight.strategy.options import ResolvedFSDP, resolve_fsdp, resolve_recipe_fsdp
 from shardlight.strategy.wrapping import find_block_classes, unit_modules, wrap_report
 
@@ -9,6 +18,8 @@ __all__ = [
     "ResolvedFSDP",
     "resolve_fsdp",
     "resolve_recipe_fsdp",
+    "apply_fsdp1",
+    "apply_fsdp2",
     "find_block_classes",
     "unit_modules",
     "wrap_report",

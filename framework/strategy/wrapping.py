@@ -1,4 +1,5 @@
-"""Which modules become FSDP units, and the wrap report that says whether that is a good idea."""
+"""Which modules become FSDP units (and which are the blocks to checkpoint), and the wrap report that says
+whether that is a good idea. Shared by ``fsdp1``, ``fsdp2`` and the planner."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def find_block_classes(model: nn.Module, names: Optional[List[str]]) -> List[typ
     return [present[n] for n in wanted]
 
 
+def block_modules(model: nn.Module, names: Optional[List[str]]) -> List[nn.Module]:
+    """Every instance of the block classes ``find_block_classes`` names, in ``model.modules()`` order."""
+    classes = tuple(find_block_classes(model, names))
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
 def _own_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False))
 
@@ -60,8 +67,7 @@ def unit_modules(model: nn.Module, auto_wrap_policy: str, class_names: Optional[
                  min_num_params: Optional[int]) -> List[nn.Module]:
     """The non-root FSDP units, innermost first (the order ``fully_shard`` must see them)."""
     if auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        classes = tuple(find_block_classes(model, class_names))
-        return [m for m in model.modules() if isinstance(m, classes)][::-1]
+        return block_modules(model, class_names)[::-1]
     if auto_wrap_policy == "SIZE_BASED_WRAP":
         return size_based_units(model, min_num_params or 0)
     return []

@@ -31,7 +31,7 @@ def wrap(holder, version):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        from shardlight.export import register_fsdp_root
+        from shardlight.strategy.unshard import register_fsdp_root
 
         root = FSDP(holder, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
                     device_id=torch.device("cpu"))

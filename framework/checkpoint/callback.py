@@ -1,23 +1,14 @@
-"""Sharded, atomic checkpoints with exact resume (``torch.distributed.checkpoint``).
-
-Layout of ``run_dir/checkpoints/``::
-
-    step-N/            .metadata + __<rank>_<i>.distcp (DCP: model and optimizer, sharded)
-                       extra_rank<R>.pt (loop progress, LR schedulers, RNG states, data position)
-                       hf/ (config, generation config, tokenizer: what an export needs besides weights)
-                       shardlight.json (written last: step, world size, size + sha256 of every file)
-    latest             "step-N", replaced atomically after step-N is renamed into place
-    .tmp-step-N/       a save in progress; never read, removed by the next save
+"""The Lightning callback that saves sharded, atomic checkpoints (``keep_last`` pruned) and resumes exactly.
 
 A save writes into ``.tmp-step-N`` and is renamed only when every rank's files are on disk and hashed,
-so a run killed mid-save leaves the previous checkpoint as the newest complete one.
-The model and optimizer go through ``get_state_dict``/``set_state_dict``, which speak FSDP1, FSDP2 and
-plain modules alike, so DCP can reshard a checkpoint onto a different number of ranks.
+so a run killed mid-save leaves the previous checkpoint as the newest complete one. The model and
+optimizer go through ``get_state_dict``, which speaks FSDP1, FSDP2 and plain modules alike, so DCP can
+reshard a checkpoint onto a different number of ranks. Besides them each rank saves its loop progress,
+LR schedulers, RNG states and data position (``extra_rank<R>.pt``, read with ``weights_only=True``).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -25,73 +16,35 @@ import shutil
 import signal
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from shardlight.checkpoint_store import (  # noqa: F401  (re-exported: the checkpoint API lives here)
+from shardlight.checkpoint.resume import distributed, load_sharded
+from shardlight.checkpoint.store import (
     CHECKPOINTS,
+    DCP_METADATA,
+    FORMAT,
     HF_DIR,
     LATEST,
     META,
-    checkpoint_in,
+    MODEL_KEY,
+    OPTIM_KEY,
     complete_checkpoints,
     describe_file,
-    find_resume,
-    newest_checkpoint,
-    read_dcp_metadata,
-    resolve_resume,
-    verify_checkpoint,
 )
-from shardlight.errors import ShardlightError
+from shardlight.data_loader import SKIP_BATCHES, ResumableDataLoader
 from shardlight.runtime import RunContext
 
-# Test hook: SIGKILL rank 0 after the shards of this step are written, before the rename.
 
-
-# ---------------------------------------------------------------- data position
-class _SkipOnce:
-    """Index sampler view that drops the loader's pending ``skip`` batches on the next pass only."""
-
-    def __init__(self, base: Any, loader: "ResumableDataLoader") -> None:
-        self.base, self.loader = base, loader
-
-    def __iter__(self):
-        # Consumed when iterated, not when looked at: len() on the loader must not use up the skip.
-        skip, self.loader._pending_skip = self.loader._pending_skip, 0
-        return itertools.islice(iter(self.base), skip, None)
-
-    def __len__(self) -> int:
-        # The full length: Lightning adds the restored batch count to what the iterator yields.
-        return len(self.base)
-
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader Lightning treats as stateful, so a resumed run continues mid-epoch where it stopped.
-
-    The state (batches already consumed this epoch) is written by :class:`CheckpointCallback` from the loop's
-    own counters, not counted here: Lightning may prefetch, so an iterator count would be off by one.
-    """
-
-    _pending_skip = 0
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"skip_batches": 0}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._pending_skip = int(state.get("skip_batches", 0))
-
-    @property
-    def _index_sampler(self):
-        base = super()._index_sampler
-        return _SkipOnce(base, self) if self._pending_skip else base
-
-
-# ---------------------------------------------------------------- RNG and extra state
+# ---------------------------------------------------------------- RNG state
 def rng_state() -> Dict[str, Any]:
     # Plain ints and tensors only, so torch.load(weights_only=True) can read it back.
     np_state = np.random.get_state()
@@ -116,15 +69,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def _all_gather(obj: Any) -> List[Any]:
-    dist = _dist()
-    if dist is None:
+    if not distributed():
         return [obj]
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -144,6 +90,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def _quiet_state_dict_warnings() -> Iterator[None]:
+    """torch's own deprecation chatter from inside FSDP1's sharded state dict, once per tensor."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        yield
+
+
 # ---------------------------------------------------------------- the callback
 class CheckpointCallback(Callback):
     """Saves every ``every_n_steps`` optimizer steps and at the end; resumes from ``resume_from``.
@@ -160,7 +115,8 @@ class CheckpointCallback(Callback):
         self.keep_last = keep_last
         self.save_last = save_last
         self.resume_from = Path(resume_from) if resume_from else None
-        self.fault_kill_in_save_step = fault_kill_in_save_step  # tests: die mid-save at this step
+        # Test hook: SIGKILL rank 0 at this step after the shards are written, before the rename.
+        self.fault_kill_in_save_step = fault_kill_in_save_step
         self.last_saved_step: Optional[int] = None
         self.last_saved: Optional[Path] = None
         self._rng_to_restore: Optional[Dict[str, Any]] = None
@@ -183,25 +139,19 @@ class CheckpointCallback(Callback):
 
     def _loop_state(self, trainer) -> Dict[str, Any]:
         state = trainer.fit_loop.state_dict()
-        epoch_loop = trainer.fit_loop.epoch_loop
-        consumed = epoch_loop.batch_progress.current.ready
+        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if consumed >= trainer.num_training_batches:
             consumed = 0  # saved at the end of an epoch: Lightning moves on to the next one
         if isinstance(trainer.train_dataloader, ResumableDataLoader):
-            state.setdefault("state_dict", {})["combined_loader"] = [{"skip_batches": consumed}]
+            state.setdefault("state_dict", {})["combined_loader"] = [{SKIP_BATCHES: consumed}]
         return state
 
     def save(self, trainer, pl_module) -> Path:
-        with warnings.catch_warnings():
-            # torch's own deprecation chatter from inside FSDP1's sharded state dict, once per tensor.
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        """One checkpoint of this step, on every rank (it is collective); returns its final dir."""
+        with _quiet_state_dict_warnings():
             return self._save(trainer, pl_module)
 
     def _save(self, trainer, pl_module) -> Path:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         step, rank = trainer.global_step, trainer.global_rank
         tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
         if rank == 0:
@@ -210,7 +160,7 @@ class CheckpointCallback(Callback):
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("shardlight-ckpt-mkdir")
         model_sd, optim_sd = get_state_dict(trainer.strategy.model, trainer.optimizers)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=_dist() is None)
+        dcp.save({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}, checkpoint_id=str(tmp), no_dist=not distributed())
         fit_loop = trainer.fit_loop
         extra = {
             "global_step": step,
@@ -225,35 +175,38 @@ class CheckpointCallback(Callback):
         }
         extra_name = f"extra_rank{rank}.pt"
         torch.save(extra, tmp / extra_name)
-        mine = [p for p in tmp.glob(f"__{rank}_*.distcp")] + [tmp / extra_name]
+        mine = list(tmp.glob(f"__{rank}_*.distcp")) + [tmp / extra_name]
         if rank == 0:
-            mine.append(tmp / ".metadata")
-        described = {p.name: describe_file(p) for p in mine}
-        gathered = _all_gather(described)
+            mine.append(tmp / DCP_METADATA)
+        gathered = _all_gather({p.name: describe_file(p) for p in mine})
         if rank == 0:
             self._write_hf_files(trainer, pl_module, tmp / HF_DIR)
             files = {k: v for part in gathered for k, v in part.items()}
             for p in sorted((tmp / HF_DIR).rglob("*")):
                 if p.is_file():
                     files[str(p.relative_to(tmp))] = describe_file(p)
-            meta = {"format": "shardlight-dcp-1", "step": step, "world_size": trainer.world_size,
+            meta = {"format": FORMAT, "step": step, "world_size": trainer.world_size,
                     "fsdp_version": getattr(getattr(trainer.strategy, "resolved", None), "version", None),
                     "epoch": extra["epoch"], "batch_in_epoch": extra["batch_in_epoch"], "files": files}
             if self.fault_kill_in_save_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            pointer = self.root / f".{LATEST}.tmp"
-            pointer.write_text(final.name + "\n")
-            os.replace(pointer, self.root / LATEST)
+            self._commit(tmp, final, meta)
             self._prune(keep=final)
         trainer.strategy.barrier("shardlight-ckpt-done")
         self.last_saved_step, self.last_saved = step, final
         return final
+
+    def _commit(self, tmp: Path, final: Path, meta: Dict[str, Any]) -> None:
+        """``shardlight.json`` last, then the rename, then the ``latest`` pointer: each step atomic."""
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.root / LATEST)
 
     def _write_hf_files(self, trainer, pl_module, hf_dir: Path) -> None:
         hf_dir.mkdir(parents=True, exist_ok=True)
@@ -279,15 +232,10 @@ class CheckpointCallback(Callback):
 
     # -- resume
     def on_fit_start(self, trainer, pl_module) -> None:
-        from shardlight.export import register_fsdp_root
-
-        register_fsdp_root(trainer.strategy.model)  # lets full_params(pl_module.model) find the FSDP1 root
         if self.resume_from is None:
             return
         path, rank = self.resume_from, trainer.global_rank
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        with _quiet_state_dict_warnings():
             load_sharded(trainer.strategy.model, trainer.optimizers, path)
         saved = sorted(path.glob("extra_rank*.pt"), key=lambda p: int(p.stem[len("extra_rank"):]))
         own = path / f"extra_rank{rank}.pt"
@@ -312,9 +260,9 @@ class CheckpointCallback(Callback):
         progress = loop_state.get("epoch_loop.batch_progress", {}).get("current")
         if not combined or not progress:
             return
-        old = combined[0]["skip_batches"]
+        old = combined[0][SKIP_BATCHES]
         new = old * old_world // new_world
-        combined[0]["skip_batches"] = new
+        combined[0][SKIP_BATCHES] = new
         for key in ("ready", "started", "processed", "completed"):
             progress[key] = max(0, progress[key] - old + new)
 
@@ -334,22 +282,8 @@ class CheckpointCallback(Callback):
                   flush=True)
 
 
-def load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: Path) -> None:
-    """Model and optimizer from a DCP checkpoint, resharded onto however many ranks run now."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=_dist() is None)
-    except Exception as exc:
-        raise ShardlightError(f"could not load checkpoint {path}: {type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def build_checkpoint_callback(cfg: Any, ctx: RunContext) -> Optional[CheckpointCallback]:
+    """The recipe's ``checkpoint:`` section and the run's resume decision → the callback (or None)."""
     ck, resume, kill = cfg.checkpoint, ctx.resume_from, ctx.fault_kill_in_save_step
     if not ck.enabled:
         # Resuming still works with saving turned off.

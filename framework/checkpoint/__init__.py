@@ -1,0 +1,20 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``): atomic saves, exact resume, verified export.
+
+- ``store``: the on-disk format: layout, discovery, the newest complete checkpoint, verification.
+- ``resume``: which checkpoint a run resumes from (``resolve_resume``), loading it (``load_sharded``).
+- ``callback``: the Lightning ``CheckpointCallback`` (saves, ``keep_last``, resume) and its builder.
+- ``export``: Hugging Face export, verified, from the live run (``export_live``) or a checkpoint.
+- ``inspect``: the ``shardlight inspect`` listing, from DCP metadata.
+"""
+
+from shardlight.checkpoint.callback import CheckpointCallback, build_checkpoint_callback, find_callback
+from shardlight.checkpoint.export import export_and_verify, export_checkpoint, export_live
+from shardlight.checkpoint.inspect import format_inspect, inspect_checkpoint
+from shardlight.checkpoint.resume import find_resume, load_sharded, resolve_resume
+
+__all__ = [
+    "CheckpointCallback", "build_checkpoint_callback", "find_callback",
+    "find_resume", "load_sharded", "resolve_resume",
+    "export_and_verify", "export_checkpoint", "export_live",
+    "format_inspect", "inspect_checkpoint",
+]

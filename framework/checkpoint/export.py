@@ -1,0 +1,171 @@
+"""Hugging Face export, written once: weights → ``save_pretrained`` dir + tokenizer, reloaded and checked.
+
+:func:`export_and_verify` does the work; its two callers differ only in where the weights and the
+reference logits come from:
+
+- :func:`export_live` (end of training, every rank): the live FSDP model's full state dict (gathered on
+  rank 0) and the live model's logits → ``run_dir/model/``, check batch in ``run_dir/export_check.safetensors``.
+- :func:`export_checkpoint` (``shardlight export``, one process): the architecture from the checkpoint's
+  ``hf/`` config with DCP reading the model shards straight into it (the optimizer state is never read),
+  and that model's logits → ``OUT/``, check batch in ``OUT/export_check.safetensors``, report in
+  ``OUT/export_report.json``.
+
+The check: fp32 logits on one fixed batch, reference vs the directory reloaded with
+``AutoModelForCausalLM.from_pretrained``; ``max |diff|`` must be within ``EXPORT_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, TypedDict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from shardlight.checkpoint.store import (
+    HF_DIR,
+    MODULE_PREFIX,
+    WEIGHT_PREFIX,
+    locate_checkpoint,
+    read_dcp_metadata,
+    verify_checkpoint,
+)
+from shardlight.errors import ShardlightError
+from shardlight.files import write_json
+
+MODEL_DIR = "model"  # in the run dir: the live export
+EXPORT_CHECK_FILE = "export_check.safetensors"  # the fixed batch and the reference logits
+EXPORT_REPORT_FILE = "export_report.json"
+EXPORT_TOLERANCE = 1e-5
+CHECK_SEED, CHECK_SHAPE = 1234, (2, 32)
+
+
+class ExportReport(TypedDict):
+    out: str
+    check_file: str
+    max_abs_diff: float
+    tolerance: float
+    ok: bool
+
+
+class CheckpointExportReport(ExportReport):
+    checkpoint: str
+
+
+def check_batch(vocab_size: int) -> torch.Tensor:
+    """The fixed batch every export is checked on."""
+    return torch.randint(0, vocab_size, CHECK_SHAPE, generator=torch.Generator().manual_seed(CHECK_SEED))
+
+
+def _hf_weights(module_state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The LightningModule's state dict → the HF model's (the one key rule; other entries are dropped)."""
+    return {k[len(MODULE_PREFIX):]: v for k, v in module_state.items() if k.startswith(MODULE_PREFIX)}
+
+
+@torch.no_grad()
+def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedConfig, tokenizer: Optional[Any],
+                      out_dir: Path, reference_logits: torch.Tensor, check_file: Optional[Path] = None,
+                      trust_remote_code: bool = False) -> ExportReport:
+    """Write ``save_pretrained`` safetensors (in the weights' dtype) + tokenizer to ``out_dir``, save the check
+    batch with ``reference_logits`` (the source's logits on :func:`check_batch`) to ``check_file``
+    (default ``out_dir/export_check.safetensors``), reload the dir in fp32 and compare.
+
+    ``module_state`` is the LightningModule's state dict (HF weights under ``model.``); it is emptied once
+    saved, so only one full copy of the weights is held at a time (the reloaded model comes next)."""
+    out_dir = Path(out_dir)
+    check_file = Path(check_file) if check_file is not None else out_dir / EXPORT_CHECK_FILE
+    with torch.device("meta"):  # no second copy: the weights are assigned, not copied
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.load_state_dict(_hf_weights(module_state), strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ShardlightError(f"export is missing weights: {', '.join(missing[:5])}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    del model
+    module_state.clear()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    input_ids = check_batch(config.vocab_size)
+    reference = reference_logits.detach().float().cpu().contiguous()
+    save_file({"input_ids": input_ids, "logits": reference}, str(check_file))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code).eval()
+    diff = float((reloaded(input_ids=input_ids).logits.float() - reference).abs().max())
+    return {"out": str(out_dir), "check_file": str(check_file), "max_abs_diff": diff,
+            "tolerance": EXPORT_TOLERANCE, "ok": diff <= EXPORT_TOLERANCE}
+
+
+# ---------------------------------------------------------------- from the live run
+def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
+    """The trained model → ``run_dir/model/``, verified against the live (sharded) model's logits.
+
+    Every rank must call it (the reference forward and the full state dict gather); the files are written
+    and checked on rank 0, elsewhere ``export_max_abs_diff`` is None.
+    """
+    run_dir = Path(run_dir)
+    model_dir = run_dir / MODEL_DIR
+    config = module.model.config
+    strategy = trainer.strategy
+    root = strategy.model
+    was_training = root.training
+    root.eval()
+    with torch.no_grad():
+        reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
+    root.train(was_training)
+    # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
+    state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else None
+    if not trainer.is_global_zero:
+        return {"model_dir": str(model_dir), "export_max_abs_diff": None}
+    report = export_and_verify(state if state is not None else module.state_dict(), config, tokenizer, model_dir,
+                               reference, check_file=run_dir / EXPORT_CHECK_FILE,
+                               trust_remote_code=module.cfg.model.trust_remote_code)
+    return {"model_dir": str(model_dir), "export_max_abs_diff": report["max_abs_diff"]}
+
+
+# ---------------------------------------------------------------- from a checkpoint
+def load_checkpoint_model(checkpoint: Path) -> nn.Module:
+    """The HF model of a verified checkpoint, weights read by DCP in place (one full copy, optimizer untouched)."""
+    verify_checkpoint(checkpoint)
+    if not (checkpoint / HF_DIR / "config.json").is_file():
+        raise ShardlightError(f"checkpoint {checkpoint} has no {HF_DIR}/config.json")
+    config = AutoConfig.from_pretrained(str(checkpoint / HF_DIR))
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    dtypes = [m.properties.dtype for k, m in saved.items() if k.startswith(WEIGHT_PREFIX) and hasattr(m, "properties")]
+    if not dtypes:
+        raise ShardlightError(f"checkpoint {checkpoint} holds no model weights under '{WEIGHT_PREFIX}'")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtypes[0])
+    missing = [n for n, _ in model.named_parameters() if WEIGHT_PREFIX + n not in saved]
+    if missing:
+        raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {', '.join(missing[:5])}")
+    target = {WEIGHT_PREFIX + n: t for n, t in model.state_dict().items() if WEIGHT_PREFIX + n in saved}
+    try:
+        dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
+    except Exception as exc:
+        raise ShardlightError(f"could not read checkpoint {checkpoint}: {type(exc).__name__}") from None
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def export_checkpoint(path: Path, out_dir: Path) -> CheckpointExportReport:
+    """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified HF dir; the report is also
+    written to ``out_dir/export_report.json``. Nothing is written when the checkpoint does not verify."""
+    checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
+    model = load_checkpoint_model(checkpoint)
+    # The weights in the checkpoint's dtype, taken before the fp32 reference upcasts the model's own.
+    state = {MODULE_PREFIX + k: v for k, v in model.state_dict().items()}
+    config = model.config
+    # fp32 reference: the reload upcasts the same (e.g. bf16) values exactly.
+    reference = model.float()(input_ids=check_batch(config.vocab_size)).logits
+    del model
+    hf = checkpoint / HF_DIR
+    tokenizer = AutoTokenizer.from_pretrained(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
+    report: CheckpointExportReport = {"checkpoint": str(checkpoint),
+                                      **export_and_verify(state, config, tokenizer, out_dir, reference)}
+    write_json(out_dir / EXPORT_REPORT_FILE, report)
+    return report

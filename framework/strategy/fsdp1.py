@@ -1,0 +1,104 @@
+"""FSDP1 (``FullyShardedDataParallel``) from a ``ResolvedFSDP``: ``apply_fsdp1`` wraps a model, and the
+pieces the Lightning adapter needs around it (the wrapper arguments for ``enable_wrap``, the mesh, full
+state dicts)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import nn
+
+from shardlight.strategy.options import ResolvedFSDP
+from shardlight.strategy.unshard import register_fsdp_root
+from shardlight.strategy.wrapping import find_block_classes, unit_modules, wrap_report
+
+
+def fsdp1_mixed_precision(resolved: ResolvedFSDP):
+    """``MixedPrecision`` with parameters, gradient reduction and buffers all in the resolved dtype, or None
+    when the recipe sets none (Lightning's precision plugin then decides, as for ``*-true``)."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    dtype = resolved.param_dtype
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype) if dtype else None
+
+
+def fsdp1_mesh(resolved: ResolvedFSDP, device_type: str):
+    """The (replicate, shard) mesh for hybrid sharding, on ``device_type``; None for the other strategies."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, resolved.mesh_shape) if resolved.mesh_shape is not None else None
+
+
+def fsdp1_kwargs(resolved: ResolvedFSDP, device: torch.device, mixed_precision: Any) -> Dict[str, Any]:
+    """The arguments every FSDP1 wrapper of the run takes alike (the root and any ``enable_wrap`` wrap)."""
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+
+    return {
+        "sharding_strategy": ShardingStrategy[resolved.sharding_strategy],
+        "cpu_offload": CPUOffload(offload_params=resolved.cpu_offload),
+        "mixed_precision": mixed_precision,
+        # FSDP1 refuses device_id=None on a CPU-only host; the device itself is accepted on both.
+        "device_id": device if device.type == "cpu" else device.index,
+        "forward_prefetch": resolved.forward_prefetch,
+        "limit_all_gathers": resolved.limit_all_gathers,
+        "use_orig_params": resolved.use_orig_params,
+        "sync_module_states": resolved.sync_module_states,
+        "backward_prefetch": BackwardPrefetch[resolved.backward_prefetch] if resolved.backward_prefetch else None,
+    }
+
+
+def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, *, mesh: Any = None,
+                mixed_precision: Any = None, rank: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Wrap ``model`` in FSDP1, then checkpoint activations of each block (after wrapping, as Lightning does).
+
+    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None); ``rank``: this
+    process's global rank. Returns the root wrapper (registered for ``unshard.full_params``) and the wrap
+    report (computed before wrapping, so unit sizes are full).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = unit_modules(model, resolved.auto_wrap_policy, resolved.transformer_cls_names_to_wrap,
+                         resolved.min_num_params)
+    report = wrap_report(model, units, resolved.wrap_report_tiny_unit_params)
+    kwargs = fsdp1_kwargs(resolved, device, mixed_precision)
+    if units:
+        # Exactly the units the report describes (and FSDP2 shards), not torch's policies' own pick.
+        unit_ids = {id(u) for u in units}
+        kwargs["auto_wrap_policy"] = lambda module, recurse, nonwrapped_numel: (
+            True if recurse else id(module) in unit_ids
+        )
+    if mesh is not None:
+        kwargs["device_mesh"] = mesh
+    if resolved.cpu_ram_efficient_loading and rank != 0:
+        # Weights exist on rank 0 only; the others materialize empty storage and receive a broadcast.
+        kwargs["param_init_fn"] = lambda module: module.to_empty(device=device, recurse=False)
+    blocks = []
+    if resolved.activation_checkpointing:
+        # Looked up before wrapping, so a bad class name fails before FSDP touches the model.
+        blocks = find_block_classes(model, resolved.transformer_cls_names_to_wrap)
+    wrapped = FullyShardedDataParallel(module=model, **kwargs)
+    if blocks:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        # checkpoint_wrapper's default is non-reentrant checkpointing.
+        apply_activation_checkpointing(wrapped, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       auto_wrap_policy=ModuleWrapPolicy(set(blocks)))
+    # full_params on a module inside (the HF model) must unshard the root's own parameters too.
+    register_fsdp_root(wrapped)
+    return wrapped, report
+
+
+def fsdp1_full_state_dict(root: nn.Module, device: torch.device) -> Dict[str, Any]:
+    """Unsharded weights of the FSDP1 ``root`` on rank 0 (empty elsewhere); every rank must call it."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    # offload_to_cpu on a CPU rank frees the storage it "copied" from: a segfault, not a copy.
+    config = FullStateDictConfig(offload_to_cpu=device.type != "cpu", rank0_only=True)
+    with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
+        return root.state_dict()
