@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from shardlight.build import build_datamodule, build_hf_config, build_module, build_tokenizer, build_trainer
 from shardlight.build.optimizer import check_optimizer
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
-from shardlight.data import check_data
+from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.launch import launcher_named

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shardlight.build import build_tokenizer
-from shardlight.data import IGNORE_INDEX, SFTDataModule, check_data
+from shardlight.data import IGNORE_INDEX, SFTDataModule
+from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError
 from shardlight.recipe import RecipeConfig, load_recipe
 
