@@ -30,10 +30,11 @@ OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0", "train
 def shardlight_worker(out: Path) -> None:
     import lightning.pytorch as pl
 
-    from shardlight.build import build_datamodule, build_module
+    from shardlight.build import build_datamodule, build_module, build_trainer
+    from shardlight.preflight import preflight
     from shardlight.recipe import load_recipe
     from shardlight.runtime import RunContext
-    from shardlight.train import build_trainer, preflight, resolve_run_dir
+    from shardlight.train import resolve_run_dir
 
     class StepTimer(pl.Callback):
         def __init__(self):

@@ -20,7 +20,7 @@ def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocat
     check_overrides_match(overrides, alloc)
     cfg = load_recipe(recipe, list(overrides) + [f"trainer.num_nodes={alloc.nodes}",
                                                   f"trainer.devices={alloc.gpus_per_node}"])
-    from shardlight.train import preflight  # tokenizer, model config, wrap classes: torch and transformers
+    from shardlight.preflight import preflight  # tokenizer, model config, wrap classes: torch and transformers
 
     preflight(cfg)
     recipe_arg = str(Path(recipe).resolve()) if recipe else None
