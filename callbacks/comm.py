@@ -70,7 +70,7 @@ class Config:
         default=50, metadata={"positive": True, "help": "Steps between profiling windows (plus one early)."}
     )
     first_step: Optional[int] = field(
-        default=5, metadata={"help": "Step of the early profiling window (null or 0: none)."}
+        default=5, metadata={"non_negative": True, "help": "Step of the early profiling window (null or 0: none)."}
     )
     wait: int = field(
         default=0, metadata={"non_negative": True, "help": "Profiler schedule: steps skipped at a window's start."}
@@ -85,7 +85,9 @@ class Config:
     )
     per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
     keep_windows: Optional[int] = field(
-        default=10, metadata={"help": "Keep the traces of this many latest windows in run_dir/traces (null: all)."}
+        default=10,
+        metadata={"non_negative": True,
+                  "help": "Keep the traces of this many latest windows in run_dir/traces (null or 0: all)."},
     )
 
 

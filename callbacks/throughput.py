@@ -44,12 +44,13 @@ class Config:
 
     enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
     peak_tflops: Optional[float] = field(
-        default=None, metadata={"help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."}
+        default=None,
+        metadata={"positive": True, "help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."},
     )
     peak_tflops_table: Dict[str, float] = field(
         default_factory=dict,
-        metadata={"help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in "
-                          "A100/H100/H200 table."},
+        metadata={"positive": True, "help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in "
+                                            "A100/H100/H200 table."},
     )
     baseline_file: Optional[str] = field(
         default=None,

@@ -72,9 +72,15 @@ def _check_row(row: Any, d: DataConfig, where: str) -> None:
             raise ShardlightError(f"{where}: field '{name}' must be a string, got {got}")
 
 
+# Text files are read as UTF-8 with an optional byte-order mark (as Windows tools write them); ``datasets``'
+# json and csv loaders skip a BOM themselves, its text loader is told to (``_LOAD_OPTIONS``).
+TEXT_ENCODING = "utf-8-sig"
+_LOAD_OPTIONS = {"text": {"encoding": TEXT_ENCODING}}
+
+
 def _check_json(path: str, d: DataConfig) -> None:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding=TEXT_ENCODING)
     except UnicodeDecodeError as exc:
         raise ShardlightError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
@@ -117,7 +123,7 @@ def _check_file(path: str, builder: str, d: DataConfig) -> None:
     elif builder == "csv":
         if d.format == "chat":
             raise ShardlightError(f"{path}: format chat needs a list column '{d.messages_field}'; use JSONL or Parquet")
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        with open(path, newline="", encoding=TEXT_ENCODING, errors="replace") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if not header or next(reader, None) is None:
@@ -135,7 +141,7 @@ def _check_file(path: str, builder: str, d: DataConfig) -> None:
     else:  # text: one row per line, column "text"
         if d.format != "text":
             raise ShardlightError(f"{path}: .txt files give one text row per line; they need data.format: text")
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding=TEXT_ENCODING, errors="replace") as f:
             if not any(line.strip() for line in f):
                 raise ShardlightError(f"data file is empty: {path}")
 
@@ -165,7 +171,8 @@ def load_local(files: List[str], d: DataConfig, key: str):
     builder = _builder(paths, key)
     cache = os.path.join(tempfile.gettempdir(), "shardlight-datasets-cache")
     try:
-        ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True)
+        ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True,
+                                   **_LOAD_OPTIONS.get(builder, {}))
     except Exception as exc:
         raise ShardlightError(f"could not load {key} ({', '.join(paths)}): {first_line(exc)}") from None
     if builder == "text" and d.text_field != "text":

@@ -1,4 +1,5 @@
-"""The LightningModule around a Hugging Face causal LM: loss on supervised tokens, metrics, grad clipping.
+"""The LightningModule around a Hugging Face causal LM: loss on supervised tokens, metrics, grad clipping,
+and the guard against non-finite steps (``trainer.on_nonfinite``).
 
 It builds nothing itself: ``shardlight.build.model.build_module`` hands it the functions that make the model
 (in ``configure_model``, so FSDP wraps it) and the optimizer.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import lightning.pytorch as pl
@@ -18,6 +20,26 @@ from transformers import PreTrainedModel
 from shardlight.recipe import RecipeConfig
 
 IGNORE_INDEX = -100
+
+
+class NonFiniteStop(Exception):
+    """Raised on every rank at the same optimizer step (``trainer.on_nonfinite: stop``), before that step's
+    update, so the weights in memory and on disk stay those of the step before.
+
+    Arguments:
+        step: the optimizer step that was not taken (1-based, as checkpoints ``step-N`` count).
+        what: ``"loss"`` or ``"gradient norm"``.
+        where: the ranks that saw a non-finite loss, or ``"all ranks (global gradient norm)"``.
+        value: the offending value (the first such rank's loss, or the global gradient norm).
+    """
+
+    def __init__(self, step: int, what: str, where: str, value: float) -> None:
+        self.step, self.what, self.where, self.value = step, what, where, value
+        super().__init__(describe_nonfinite(step, what, where, value))
+
+
+def describe_nonfinite(step: int, what: str, where: str, value: float) -> str:
+    return f"non-finite {what} ({value:g}) at step {step} on {where}"
 
 
 def clean_param_name(name: str) -> str:
@@ -51,6 +73,9 @@ class CausalLMModule(pl.LightningModule):
         self._train_window = torch.zeros(3, dtype=torch.float64)
         self._grad_norm: Optional[torch.Tensor] = None
         self._decay_names: set = set()
+        # This rank's last non-finite micro-batch loss since the last optimizer step (0: none), on the device.
+        self._nonfinite_loss = torch.zeros((), dtype=torch.float64)
+        self.nonfinite_skips = 0
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -82,7 +107,17 @@ class CausalLMModule(pl.LightningModule):
         # Summed locally; reduced across ranks once per logging step, not once per micro-batch.
         one = torch.ones((), dtype=torch.float64, device=loss.device)
         self._train_window += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double()])
-        return loss
+        return self._poison_if_nonfinite(loss)
+
+    def _poison_if_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
+        """Remember a non-finite loss and make every gradient NaN with it, on the device (no host sync).
+
+        An inf loss can have finite gradients (a -inf logit on the target); multiplied by NaN it cannot, so a
+        non-finite loss on any rank always reaches the global gradient norm that every rank checks. A finite
+        loss is multiplied by exactly 1.0: its value and gradients are unchanged."""
+        finite = torch.isfinite(loss.detach())
+        self._nonfinite_loss = torch.where(finite, self._nonfinite_loss, loss.detach().double())
+        return loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         trainer = self.trainer
@@ -102,9 +137,12 @@ class CausalLMModule(pl.LightningModule):
         self.log("lr", trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         if self._grad_norm is not None:
             self.log("train/grad_norm", self._grad_norm.float(), rank_zero_only=True)
+        if self.cfg.trainer.on_nonfinite == "skip":
+            self.log("train/nonfinite_skips", float(self.nonfinite_skips), rank_zero_only=True)
 
     def on_train_start(self) -> None:
         self._train_window = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self._nonfinite_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -130,15 +168,48 @@ class CausalLMModule(pl.LightningModule):
             self.log(key, value, prog_bar=key == "val/loss", rank_zero_only=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Clipping off: the same global norm with max_norm=inf (gradients scaled by exactly 1.0), because
+        # the non-finite check needs a signal every rank shares.
         max_norm = self.cfg.trainer.gradient_clip_val
-        if max_norm is None:
-            return
+        max_norm = math.inf if max_norm is None else max_norm
         clip = getattr(self.trainer.strategy, "clip_gradients", None)
         if clip is not None:
             norm = clip(max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         self._grad_norm = norm.detach() if torch.is_tensor(norm) else torch.tensor(float(norm))
+        self._guard_nonfinite(optimizer, self._grad_norm)
+        self._nonfinite_loss.zero_()
+
+    def _guard_nonfinite(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+        """Stop or skip this step when the global gradient norm is non-finite.
+
+        The norm is global (reduced across shards), so every rank takes the same decision at the same step
+        without another collective; a non-finite loss anywhere shows up in it (``_poison_if_nonfinite``).
+        The cost is one scalar read on the host per optimizer step, as torch's GradScaler does."""
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return  # 16-mixed: the GradScaler skips steps with non-finite gradients itself, routinely
+        if bool(torch.isfinite(norm)):
+            return
+        # Only on a bad step, and then on every rank: which ranks saw the non-finite loss (one slot per rank).
+        slots = torch.zeros(self.trainer.world_size, dtype=torch.float64, device=self._nonfinite_loss.device)
+        slots[self.global_rank] = self._nonfinite_loss
+        losses = self.trainer.strategy.reduce(slots, reduce_op="sum").tolist()
+        bad_ranks = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
+        step = self.trainer.global_step + 1
+        if bad_ranks:
+            where = ("rank " if len(bad_ranks) == 1 else "ranks ") + ", ".join(map(str, bad_ranks))
+            what, value = "loss", losses[bad_ranks[0]]
+        else:
+            what, where, value = "gradient norm", "all ranks (global gradient norm)", float(norm)
+        # No gradients: the optimizer updates nothing and leaves its state (moments, step counts) as it was.
+        optimizer.zero_grad(set_to_none=True)
+        if self.cfg.trainer.on_nonfinite == "stop":
+            raise NonFiniteStop(step, what, where, value)
+        self.nonfinite_skips += 1
+        if self.trainer.is_global_zero:
+            print(f"shardlight: {describe_nonfinite(step, what, where, value)}; optimizer step skipped "
+                  f"({self.nonfinite_skips} so far)", file=sys.stderr, flush=True)
 
     def configure_optimizers(self) -> Dict[str, Any]:
         optim = self.cfg.optim

@@ -3,19 +3,38 @@ input fails here with one clear line (``ShardlightError``), never as a traceback
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM
+import copy
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import List, Optional
 
-from shardlight.build import build_hf_config, build_tokenizer
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
+from shardlight.build.model import transformers_reason
 from shardlight.build.optimizer import check_optimizer
 from shardlight.data_files import check_data
-from shardlight.errors import ShardlightError
-from shardlight.recipe import RecipeConfig
+from shardlight.errors import ShardlightError, first_line, warn
+from shardlight.recipe import ModelConfig, RecipeConfig
+from shardlight.runtime import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 
+# Ranks per core on CPU beyond which a run crawls so badly it looks hung (2 is normal: 4-rank tests on 2 cores).
+MAX_CPU_RANKS_PER_CORE = 2
+ATTENTION_IMPLEMENTATIONS = next(
+    f.metadata["allowed"] for f in dataclasses.fields(ModelConfig) if f.name == "attn_implementation")
 
-def preflight(cfg: RecipeConfig):
-    """Everything that can be checked without training: bad input fails here with one clear line."""
+
+def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
+    """Everything that can be checked without training: bad input fails here with one clear line. ``ctx``: this
+    process's facts (default: the process that starts the ranks on this machine, i.e. ``shardlight train``
+    typed in a shell). Returns the tokenizer."""
+    ctx = ctx or RunContext()
+    if ctx.launcher == "local" and not _uses_gpu(cfg):  # Lightning is about to spawn the ranks right here
+        check_cpu_ranks(cfg)
     check_data(cfg)
     check_optimizer(cfg.optim, _uses_gpu(cfg))
     tokenizer = build_tokenizer(cfg)
@@ -40,12 +59,92 @@ def preflight(cfg: RecipeConfig):
         raise ShardlightError(
             "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
         )
+    skeleton = build_skeleton(cfg.model, config)
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        # A model on the meta device costs no memory and shows the block classes before ranks spawn.
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
         find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
+    check_output_dir(cfg.output_dir)  # last: the one check that writes (output_dir itself, nothing inside)
     return tokenizer
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a Slurm step or taskset may allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_cpu_ranks(cfg: RecipeConfig) -> None:
+    """CPU ranks share this machine's cores: a few more ranks than cores is slow, far more looks hung."""
+    ranks, cores = cfg.trainer.devices, usable_cores()
+    if ranks > MAX_CPU_RANKS_PER_CORE * cores and not cfg.trainer.allow_oversubscribe:
+        raise ShardlightError(
+            f"trainer.devices={ranks} would start {ranks} CPU ranks on {cores} usable cores (at most "
+            f"{MAX_CPU_RANKS_PER_CORE * cores} here, {MAX_CPU_RANKS_PER_CORE} per core); use fewer devices, "
+            "or set trainer.allow_oversubscribe=true to run them anyway")
+    if ranks > cores:
+        warn(f"trainer.devices={ranks} CPU ranks share {cores} usable cores; each step will be slower")
+
+
+def build_skeleton(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:
+    """The model exactly as the ranks build it (their builder, dtype, attention, remote code) but on the meta
+    device: no memory, and whatever transformers refuses surfaces here, once, as one line."""
+    try:
+        return _build_on_meta(model_cfg, config)
+    except Exception as exc:  # ValueError, ImportError (flash-attn), RuntimeError (negative size), KeyError...
+        raise _model_refusal(model_cfg, config, exc) from None
+
+
+def _build_on_meta(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:
+    with torch.device("meta"):
+        # from_config writes dtype and attention into the config it is given; keep the caller's untouched.
+        return build_hf_model(model_cfg, weights=False, config=copy.deepcopy(config))
+
+
+def _builds(model_cfg: ModelConfig, config: PretrainedConfig) -> bool:
+    try:
+        _build_on_meta(model_cfg, config)
+    except Exception:  # the refusal itself is reported for the recipe's own choice, not for each alternative
+        return False
+    return True
+
+
+def _model_refusal(model_cfg: ModelConfig, config: PretrainedConfig, exc: Exception) -> ShardlightError:
+    """Blame the attention implementation if the same model builds with eager attention, else the architecture."""
+    chosen = model_cfg.attn_implementation
+    if chosen not in (None, "eager") and _builds(dataclasses.replace(model_cfg, attn_implementation="eager"), config):
+        working = _working_attention(model_cfg, config)
+        reason = transformers_reason(exc).split(". ")[0].rstrip(".")
+        return ShardlightError(
+            f"model.attn_implementation: {chosen} does not work for this model here ({reason}); "
+            f"use one of: {', '.join(working)}")
+    key = "model.config" if model_cfg.config is not None else f"model.name_or_path '{model_cfg.name_or_path}'"
+    return ShardlightError(f"{key}: {transformers_reason(exc)}")
+
+
+def _working_attention(model_cfg: ModelConfig, config: PretrainedConfig) -> List[str]:
+    """The recipe's attention choices that this architecture builds with in this environment (by trying each:
+    the class flags alone miss a missing flash-attn package)."""
+    return [impl for impl in ATTENTION_IMPLEMENTATIONS
+            if impl is not None and _builds(dataclasses.replace(model_cfg, attn_implementation=impl), config)]
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Every rank and the export write under output_dir: create it (only it) and prove a file can be written."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ShardlightError(f"output_dir '{output_dir}' is a file; it must be a directory (or not exist yet)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or first_line(exc)
+        raise ShardlightError(f"output_dir '{output_dir}' cannot be created: {reason}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".shardlight-write-probe-"):
+            pass  # removed on close
+    except OSError as exc:
+        raise ShardlightError(
+            f"output_dir '{output_dir}' is not writable (a probe file failed: {exc.strerror or first_line(exc)})"
+        ) from None
 
 
 def _uses_gpu(cfg: RecipeConfig) -> bool:

@@ -1,10 +1,12 @@
 """``shardlight train``: typed recipe → ``preflight`` → builders (``shardlight.build``) → ``Trainer.fit`` →
 export, summary. Read ``train`` top to bottom: run dir, builders, fit, final validation, the verified Hugging
-Face export of the full model, summary.
+Face export of the full model, summary. A fit stopped by a non-finite step (``trainer.on_nonfinite: stop``)
+ends right there: one ``error:`` line, a summary with ``stopped``, no final validation, no export.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +19,7 @@ from shardlight.build import build_datamodule, build_module, build_trainer
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
+from shardlight.model import NonFiniteStop
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
@@ -48,12 +51,39 @@ def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, 
     return out
 
 
+def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
+                       started: float, summary_json: Optional[str]) -> Dict[str, Any]:
+    """The summary of a run that stopped before a non-finite update; rank 0 says so in one line."""
+    callback = find_callback(trainer)
+    # Nothing saved since a resume: the checkpoint this run started from is the last good one.
+    saved = (callback.last_saved or callback.resume_from) if callback is not None else None
+    message = (f"{stop}; stopped every rank before that update (trainer.on_nonfinite=stop), nothing exported; "
+               f"last good checkpoint: {saved or 'none'}")
+    summary = {
+        "stopped": message,
+        "first_val_loss": module.first_val_loss,
+        "final_val_loss": None,
+        "steps": trainer.global_step,
+        "run_dir": str(run_dir),
+        "model_dir": None,
+        "checkpoint": str(saved) if saved else None,
+        "wall_time_s": round(time.time() - started, 2),
+        "world_size": trainer.world_size,
+    }
+    if trainer.is_global_zero:
+        write_json(run_dir / "summary.json", summary)
+        if summary_json:
+            write_json(summary_json, summary)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return summary
+
+
 def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
     """One run on this process's rank: preflight, run dir and resume decision (made once, handed to the ranks
     Lightning spawns), builders, fit, final validation, verified export, summary."""
     started = time.time()
     _quiet_known_noise()
-    tokenizer = preflight(cfg)
+    tokenizer = preflight(cfg, ctx)
     run_dir = resolve_run_dir(ctx, cfg)
     if not ctx.resume_decided:  # before anything is written: a bad checkpoint is one clear error
         ctx = ctx.replace(resume_from=resolve_resume(cfg), resume_decided=True)
@@ -67,7 +97,10 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, tokenizer)
     trainer = build_trainer(cfg, ctx)
-    trainer.fit(module, datamodule=datamodule)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except NonFiniteStop as stop:  # raised on every rank at the same step
+        return _stopped_nonfinite(stop, trainer, module, run_dir, started, summary_json)
     if getattr(trainer, "shardlight_preempted", False):
         # Checkpointed and requeued: leave quickly and cleanly; the requeued job resumes and finishes.
         summary = {"preempted": True, "steps": trainer.global_step, "run_dir": str(run_dir)}
@@ -95,6 +128,8 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         "world_size": trainer.world_size,
         "export_max_abs_diff": exported["export_max_abs_diff"],
     }
+    if cfg.trainer.on_nonfinite == "skip":
+        summary["nonfinite_skips"] = module.nonfinite_skips
     summary.update(_checkpoint_summary(cfg, trainer, run_dir))
     if trainer.is_global_zero:
         write_json(run_dir / "summary.json", summary)

@@ -83,7 +83,7 @@ BAD = [
      "GPT2Block not found in the model; module classes present:"),
     ("both_model_sources", None, ["model.name_or_path=/some/model"], "set exactly one of model.name_or_path"),
     ("base_missing", "base: nowhere.yaml\n", [], "base recipe 'nowhere.yaml'"),
-    ("bad_betas", None, ["optim.betas=[0.9]"], "optim.betas must be two numbers"),
+    ("bad_betas", None, ["optim.betas=[0.9]"], "optim.betas must have 2 items, got [0.9]"),
 ]
 
 

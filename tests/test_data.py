@@ -245,6 +245,39 @@ def test_check_data_chat_and_valid_files(tmp_path):
         check_data(_cfg(train_files=[good], prompt_template="{prompt} {oops}"))
 
 
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark Windows editors and Excel put at a file's start
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.csv"])
+def test_utf8_bom_is_accepted_and_loads_like_plain_utf8(tmp_path, tok, name):
+    rows = _rows(5)
+    if name.endswith(".jsonl"):
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    elif name.endswith(".json"):
+        text = json.dumps(rows)
+    else:
+        text = "prompt,response\n" + "".join(f"{r['prompt']},{r['response']}\n" for r in rows)
+    plain, marked = tmp_path / f"plain-{name}", tmp_path / f"bom-{name}"
+    plain.write_bytes(text.encode())
+    marked.write_bytes(BOM + text.encode())
+
+    def loaded(path):
+        cfg = _cfg(train_files=[str(path)], val_files=[str(path)], seq_len=32, packing=False)
+        check_data(cfg)
+        return _stream(_setup(cfg, tok).val_dataset)
+
+    assert loaded(marked) == loaded(plain) == _expected_instruction(tok, rows)
+
+
+def test_utf8_bom_in_a_text_file_is_not_part_of_the_first_row(tmp_path, tok):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(BOM + b"the cat sat\nthe dog ran\n")
+    cfg = _cfg(train_files=[str(corpus)], val_files=[str(corpus)], format="text", seq_len=16, packing=False)
+    check_data(cfg)
+    ds = _setup(cfg, tok).val_dataset
+    assert tok.decode(_stream(ds)[0]) == "<|bos|>the cat sat<|eos|><|bos|>the dog ran<|eos|>"
+
+
 def test_hub_dataset_offline_error(tok, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

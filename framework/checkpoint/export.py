@@ -11,7 +11,8 @@ reference logits come from:
   ``OUT/export_report.json``.
 
 The check: fp32 logits on one fixed batch, reference vs the directory reloaded with
-``AutoModelForCausalLM.from_pretrained``; ``max |diff|`` must be within ``EXPORT_TOLERANCE``.
+``AutoModelForCausalLM.from_pretrained``; ``max |diff|`` must be within ``EXPORT_TOLERANCE``. Weights with a
+non-finite value are never exported: one error naming the first such parameter, before anything is written.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def _hf_weights(module_state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Ten
     return {k[len(MODULE_PREFIX):]: v for k, v in module_state.items() if k.startswith(MODULE_PREFIX)}
 
 
+def refuse_nonfinite(weights: Mapping[str, torch.Tensor]) -> None:
+    """A model with a NaN or inf weight is broken, however well it reloads: one error naming the first."""
+    for name, tensor in weights.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            bad = ~torch.isfinite(tensor)
+            if bool(bad.any()):
+                raise ShardlightError(f"refusing to export non-finite weights: {name} has {int(bad.sum())} "
+                                      f"non-finite values (e.g. {float(tensor[bad][0]):g}); nothing written")
+
+
 @torch.no_grad()
 def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedConfig, tokenizer: Optional[Any],
                       out_dir: Path, reference_logits: torch.Tensor, check_file: Optional[Path] = None,
@@ -77,9 +88,11 @@ def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedC
     saved, so only one full copy of the weights is held at a time (the reloaded model comes next)."""
     out_dir = Path(out_dir)
     check_file = Path(check_file) if check_file is not None else out_dir / EXPORT_CHECK_FILE
+    weights = _hf_weights(module_state)
+    refuse_nonfinite(weights)
     with torch.device("meta"):  # no second copy: the weights are assigned, not copied
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    model.load_state_dict(_hf_weights(module_state), strict=False, assign=True)
+    model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:

@@ -11,6 +11,7 @@ from shardlight.errors import ShardlightError
 from shardlight.launch.local import launch_local
 from shardlight.launch.slurm import SlurmAllocation, check_overrides_match, submit, write_job
 from shardlight.recipe import load_recipe
+from shardlight.runtime import RunContext
 
 
 def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocation) -> tuple:
@@ -22,7 +23,7 @@ def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocat
                                                   f"trainer.devices={alloc.gpus_per_node}"])
     from shardlight.preflight import preflight  # tokenizer, model config, wrap classes: torch and transformers
 
-    preflight(cfg)
+    preflight(cfg, RunContext(launcher="slurm"))  # judged for the job's nodes, not this login node
     recipe_arg = str(Path(recipe).resolve()) if recipe else None
     return write_job(cfg.name, dict(cfg.launch.env), recipe_arg, overrides, alloc,
                      Path(cfg.output_dir).resolve() / cfg.name)

@@ -22,8 +22,9 @@ def run_train(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
 
-    train(RunContext.from_env(), cfg, summary_json=args.summary_json)
-    return 0
+    summary = train(RunContext.from_env(), cfg, summary_json=args.summary_json)
+    # A run stopped by a non-finite loss or gradient norm has said so on stderr (rank 0); it failed.
+    return 1 if summary.get("stopped") else 0
 
 
 def add_parsers(subparsers) -> None:
@@ -31,7 +32,10 @@ def add_parsers(subparsers) -> None:
         "train",
         help="fine-tune a model from a recipe",
         description="Train from a YAML recipe (default: the embedded tiny-llama-sft recipe). "
-        "Overrides use OmegaConf dotted keys, e.g. trainer.max_steps=50 fsdp.sharding_strategy=SHARD_GRAD_OP.",
+        "Overrides use OmegaConf dotted keys, e.g. trainer.max_steps=50 fsdp.sharding_strategy=SHARD_GRAD_OP. "
+        "A list-typed key also takes a single value as a one-item list, in a recipe file or an override: "
+        "data.train_files=my.jsonl means data.train_files=[my.jsonl]; "
+        "several values: data.train_files=[a.jsonl,b.jsonl].",
     )
     add_recipe_items(train)
     train.add_argument("--accelerate-config", metavar="FILE",

@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -71,18 +72,127 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
             _check_keys(value, sections[key], f"{full}.", source)
 
 
+def _strip_optional(hint: Any) -> Tuple[Any, bool]:
+    """``Optional[X]`` → (X, True); anything else → (hint, False)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else Any), True
+    return hint, False
+
+
+_SINGULAR = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_PLURAL = {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}
+
+
+def describe_type(hint: Any) -> str:
+    """A schema type in words, for errors: ``Optional[List[str]]`` → 'a list of strings, or null'."""
+    inner, optional = _strip_optional(hint)
+    origin, args = typing.get_origin(inner), typing.get_args(inner)
+    if origin is list:
+        text = f"a list of {_PLURAL.get(args[0], 'values') if args else 'values'}"
+    elif origin is dict or dataclasses.is_dataclass(inner):
+        text = f"a mapping of names to {_PLURAL[args[1]]}" if len(args) == 2 and args[1] in _PLURAL else "a mapping"
+    else:
+        text = _SINGULAR.get(inner, "any value")
+    return f"{text}, or null" if optional else text
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it (YAML spelling), short enough for one line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    text = f"'{value}'" if isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_error(key: str, value: Any, hint: Any, source: str) -> ShardlightError:
+    return ShardlightError(f"recipe key '{key}' in {source}: expected {describe_type(hint)}, got {_shown(value)}")
+
+
+def _fits_shape(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has the shape ``hint`` needs: a scalar for a scalar, a list for a list, a mapping
+    for a mapping; the scalar conversions themselves (``'3'`` → 3) are OmegaConf's."""
+    inner, optional = _strip_optional(hint)
+    if value is None:
+        return optional or inner is Any
+    origin = typing.get_origin(inner)
+    if inner is Any:
+        return True
+    if origin is list:
+        return isinstance(value, list)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(value, (list, dict)):
+        return False
+    # OmegaConf reads any number as a bool (5 → true); only 0 and 1 mean one.
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return not (inner is bool and is_number and value not in (0, 1))
+
+
+def _conform(raw: dict, schema: type, prefix: str, source: str) -> None:
+    """Fit ``raw`` (already key-checked) to the schema's shapes in place: a scalar given for any list-typed
+    key is a one-item list (``data.train_files=my.jsonl``); any other shape mismatch, down to a list's items
+    and a mapping's values, is one error naming the key, the value and the expected type."""
+    hints = typing.get_type_hints(schema)
+    sections = nested_sections(schema)
+    for key, value in list(raw.items()):
+        full = f"{prefix}{key}"
+        if key in sections:
+            if value is None:  # `trainer:` with every key commented out: nothing to change
+                del raw[key]
+            elif isinstance(value, dict):
+                _conform(value, sections[key], f"{full}.", source)
+            continue
+        hint = hints[key]
+        inner, _ = _strip_optional(hint)
+        if typing.get_origin(inner) is list and value is not None and not isinstance(value, (list, dict)):
+            value = raw[key] = [value]
+        if not _fits_shape(value, hint):
+            raise _type_error(full, value, hint, source)
+        args = typing.get_args(inner)
+        if isinstance(value, list) and args:
+            items = [(f"{full}[{i}]", item) for i, item in enumerate(value)]
+        elif isinstance(value, dict) and len(args) == 2:
+            items = [(f"{full}.{name}", item) for name, item in value.items()]
+        else:
+            continue
+        item_hint = args[0] if isinstance(value, list) else args[1]
+        for item_key, item in items:
+            if not _fits_shape(item, item_hint):
+                raise _type_error(item_key, item, item_hint, source)
+
+
+def hint_at(dotted: str, schema: type = RecipeConfig) -> Any:
+    """The schema type at an OmegaConf full key (``optim.betas[0]``, ``launch.env.NAME``); None if unknown."""
+    hint: Any = schema
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", dotted):
+        inner, _ = _strip_optional(hint)
+        origin, args = typing.get_origin(inner), typing.get_args(inner)
+        if dataclasses.is_dataclass(inner):
+            hint = typing.get_type_hints(inner).get(part)
+        elif origin is list and part.startswith("["):
+            hint = args[0] if args else Any
+        elif origin is dict:
+            hint = args[1] if len(args) == 2 else Any
+        else:
+            return None
+        if hint is None:
+            return None
+    return hint
+
+
 # Paths in a recipe file are relative to that file, so a recipe works from any directory.
 _FILE_LIST_KEYS = ("train_files", "val_files")
 _LOCAL_OR_HUB_KEYS = (("model", "name_or_path"), ("tokenizer", "name_or_path"))
 
 
 def _resolve_paths(raw: dict, base_dir: Path) -> None:
+    """After ``_conform``: the file lists are lists by now."""
     data = raw.get("data")
     if isinstance(data, dict):
         for key in _FILE_LIST_KEYS:
             value = data.get(key)
-            if isinstance(value, str):
-                value = [value]
             if isinstance(value, list):
                 data[key] = [str(base_dir / v) if isinstance(v, str) and not os.path.isabs(v) else v for v in value]
     for section, key in _LOCAL_OR_HUB_KEYS:
@@ -94,22 +204,39 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
                 sub[key] = str(candidate)
 
 
+def _find_base(base: str, recipe: Path) -> Path:
+    """``base:`` is looked up beside the recipe, then among the shipped recipes (``recipes/name.yaml`` as
+    the repo spells it means the same), then in the current directory."""
+    named = Path(os.path.expanduser(base))
+    if named.is_absolute():
+        if named.is_file():
+            return named
+        raise ShardlightError(f"base recipe '{base}' named in {recipe} not found")
+    shipped = Path(*named.parts[1:]) if len(named.parts) > 1 and named.parts[0] == "recipes" else named
+    places = {"beside the recipe": recipe.parent / named, "shipped recipes": RECIPES_DIR / shipped,
+              "current directory": Path.cwd() / named}
+    for path in places.values():
+        if path.is_file():
+            return path
+    looked: Dict[Path, str] = {}  # the recipe's directory may be the current one: each path once
+    for what, path in places.items():
+        looked.setdefault(path, f"{path} ({what})")
+    raise ShardlightError(f"base recipe '{base}' named in {recipe} not found; looked for {', '.join(looked.values())}")
+
+
 def _recipe_chain(path: Path, seen: tuple = ()) -> List[tuple]:
     path = path.resolve()
     if path in seen:
         raise ShardlightError(f"recipe inheritance loop: {' -> '.join(str(p) for p in seen + (path,))}")
     raw = _load_yaml(path)
     _check_keys(raw, RecipeConfig, "", str(path))
+    _normalize_raw(raw)
+    _conform(raw, RecipeConfig, "", str(path))
     _resolve_paths(raw, path.parent)
     chain = []
     base = raw.pop("base", None)
     if base is not None:
-        base_path = Path(base) if os.path.isabs(base) else path.parent / base
-        if not base_path.is_file() and (RECIPES_DIR / base).is_file():
-            base_path = RECIPES_DIR / base
-        if not base_path.is_file():
-            raise ShardlightError(f"base recipe '{base}' named in {path} not found")
-        chain.extend(_recipe_chain(base_path, seen + (path,)))
+        chain.extend(_recipe_chain(_find_base(str(base), path), seen + (path,)))
     chain.append((str(path), raw))
     return chain
 
@@ -139,22 +266,25 @@ def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     """Recipe file (or the default) [+ an ``accelerate config`` YAML] + overrides → validated ``RecipeConfig``."""
     recipe_path = Path(path) if path else DEFAULT_RECIPE
     chain = _recipe_chain(recipe_path)
-    if accelerate_config:
-        chain.append((f"accelerate config {accelerate_config}", accelerate_config_overrides(accelerate_config)))
-    override_dict = _parse_overrides(list(overrides or []))
-    _check_keys(override_dict, RecipeConfig, "", "command-line overrides")
-    for _, raw in chain + [("", override_dict)]:
-        _normalize_raw(raw)
     for _, raw in chain[:-1]:
         raw.pop("name", None)  # a run is named after the recipe it was started from, not its base
+    late = []
+    if accelerate_config:
+        late.append((f"accelerate config {accelerate_config}", accelerate_config_overrides(accelerate_config)))
+    override_dict = _parse_overrides(list(overrides or []))
+    _check_keys(override_dict, RecipeConfig, "", "command-line overrides")
+    if "base" in override_dict:
+        raise ShardlightError("base cannot be set on the command line; write 'base: ...' in a recipe file")
+    late.append(("command-line overrides", override_dict))
+    for source, raw in late:
+        _normalize_raw(raw)
+        _conform(raw, RecipeConfig, "", source)
     merged = OmegaConf.structured(RecipeConfig)
-    for source, raw in chain + [("command-line overrides", override_dict)]:
+    for source, raw in chain + late:
         try:
             merged = OmegaConf.merge(merged, raw)
         except OmegaConfBaseException as exc:
-            key = getattr(exc, "full_key", None) or "?"
-            detail = str(exc).splitlines()[0]
-            raise ShardlightError(f"recipe key '{key}' in {source}: {detail}") from None
+            raise _merge_error(exc, source) from None
     cfg: RecipeConfig = OmegaConf.to_object(merged)
     if cfg.name is None:
         cfg.name = recipe_path.stem
@@ -162,6 +292,16 @@ def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     _merge_fsdp_aliases(cfg.fsdp)
     validate(cfg)
     return cfg
+
+
+def _merge_error(exc: OmegaConfBaseException, source: str) -> ShardlightError:
+    """OmegaConf's conversion errors ("Value 'abc' of type 'str' could not be converted to Integer") in the
+    recipe's words: the key, the value and the expected type."""
+    key = getattr(exc, "full_key", None) or ""
+    hint = hint_at(key) if key else None
+    if hint is not None and hasattr(exc, "value"):
+        return _type_error(key, exc.value, hint, source)
+    return ShardlightError(f"recipe key '{key or '?'}' in {source}: {str(exc).splitlines()[0]}")
 
 
 def _merge_fsdp_aliases(fsdp: FSDPConfig) -> None:

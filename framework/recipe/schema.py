@@ -1,6 +1,8 @@
 """The typed recipe schema: one dataclass per section, every field's help text and allowed values in its
-metadata (``help``; ``allowed``: the allowed values; ``positive`` / ``non_negative``: number checks, null
-passes). The loader, the validator and the README's reference table all read them from here."""
+metadata (``help``; ``allowed``: the allowed values; number ranges ``positive`` (> 0), ``non_negative``,
+``fraction`` ([0, 1)), ``min`` / ``max`` (inclusive); ``length`` of a list; null passes; see
+``validate.RULES``). Every int/float field has a range. The loader, the validator and the README's reference
+table all read them from here."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class DataConfig:
     split: str = field(default="train", metadata={"help": "Training split of the hub dataset."})
     val_split: Optional[str] = field(default=None, metadata={"help": "Validation split of the hub dataset."})
     val_fraction: float = field(
-        default=0.05, metadata={"help": "Held-out fraction of the training rows when no validation data is given."}
+        default=0.05,
+        metadata={"fraction": True, "help": "Held-out fraction of the training rows when no validation data is given."},
     )
     format: str = field(
         default="instruction",
@@ -91,7 +94,8 @@ class OptimConfig:
     )
     lr: float = field(default=3e-4, metadata={"positive": True, "help": "Peak learning rate."})
     betas: List[float] = field(
-        default_factory=lambda: [0.9, 0.95], metadata={"help": "Adam(W) betas; sgd uses betas[0] as momentum."}
+        default_factory=lambda: [0.9, 0.95],
+        metadata={"fraction": True, "length": 2, "help": "Adam(W) betas; sgd uses betas[0] as momentum."},
     )
     eps: float = field(default=1e-8, metadata={"non_negative": True, "help": "Adam(W) epsilon."})
     weight_decay: float = field(
@@ -103,7 +107,7 @@ class OptimConfig:
         metadata={"allowed": ("cosine", "linear", "constant"), "help": "cosine, linear or constant after warmup."},
     )
     min_lr_ratio: float = field(
-        default=0.1, metadata={"non_negative": True, "help": "Final lr as a fraction of lr (cosine, linear)."}
+        default=0.1, metadata={"min": 0, "max": 1, "help": "Final lr as a fraction of lr (cosine, linear)."}
     )
 
 
@@ -127,23 +131,41 @@ class TrainerConfig:
         default="auto", metadata={"allowed": ("auto", "cpu", "gpu", "cuda"), "help": "auto, cpu, gpu or cuda."}
     )
     devices: int = field(default=1, metadata={"positive": True, "help": "Ranks (processes) per node."})
+    allow_oversubscribe: bool = field(
+        default=False,
+        metadata={"help": "On CPU, allow more than twice as many ranks per node as this machine has cores."},
+    )
     num_nodes: int = field(default=1, metadata={"positive": True, "help": "Nodes."})
-    seed: int = field(default=1234, metadata={"help": "Seed for weights, shuffling and dropout."})
+    seed: int = field(  # numpy's (and so Lightning's seed_everything's) range: uint32
+        default=1234, metadata={"min": 0, "max": 2**32 - 1, "help": "Seed for weights, shuffling and dropout."}
+    )
     log_every_n_steps: int = field(
         default=10, metadata={"positive": True, "help": "Logging interval in optimizer steps."}
     )
     val_every_n_steps: int = field(
         default=50, metadata={"positive": True, "help": "Validation interval in optimizer steps."}
     )
-    limit_val_batches: Optional[int] = field(default=None, metadata={"help": "Cap on validation batches per rank."})
-    gradient_clip_val: Optional[float] = field(default=1.0, metadata={"help": "Clip the gradient norm (null: off)."})
+    limit_val_batches: Optional[int] = field(
+        default=None, metadata={"non_negative": True, "help": "Cap on validation batches per rank (0: no validation)."}
+    )
+    gradient_clip_val: Optional[float] = field(
+        default=1.0, metadata={"positive": True, "help": "Clip the gradient norm (null: off)."}
+    )
     num_threads: Optional[int] = field(
-        default=None, metadata={"help": "torch threads per rank on CPU (null: cores / ranks on the node)."}
+        default=None,
+        metadata={"positive": True, "help": "torch threads per rank on CPU (null: cores / ranks on the node)."},
     )
     progress_bar: bool = field(default=True, metadata={"help": "Show Lightning's progress bar on rank 0."})
     collective_timeout_s: int = field(
         default=1800,
         metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."},
+    )
+    on_nonfinite: str = field(
+        default="stop",
+        metadata={
+            "allowed": ("stop", "skip"),
+            "help": "A non-finite loss or gradient norm: stop (exit 1, no export) or skip that optimizer step.",
+        },
     )
 
 
@@ -185,7 +207,9 @@ class FSDPConfig:
         default=None, metadata={"help": "Alias of transformer_cls_names_to_wrap (Accelerate's config name)."}
     )
     min_num_params: Optional[int] = field(
-        default=None, metadata={"help": "SIZE_BASED_WRAP: parameters per unit at least (null: 0, as Accelerate)."}
+        default=None,
+        metadata={"non_negative": True,
+                  "help": "SIZE_BASED_WRAP: parameters per unit at least (null: 0, as Accelerate)."},
     )
     backward_prefetch: Optional[str] = field(
         default=None,
@@ -237,10 +261,13 @@ class FSDPConfig:
         metadata={"help": "Reduce-scatter on every micro-batch under accumulation (less memory, more traffic)."},
     )
     mesh_shape: Optional[List[int]] = field(
-        default=None, metadata={"help": "HYBRID_SHARD (replicate, shard) mesh (null: (num_nodes, devices))."}
+        default=None,
+        metadata={"positive": True, "length": 2,
+                  "help": "HYBRID_SHARD (replicate, shard) mesh (null: (num_nodes, devices))."},
     )
     wrap_report_tiny_unit_params: int = field(
-        default=1_000_000, metadata={"help": "Wrap report: warn when units are smaller than this."}
+        default=1_000_000,
+        metadata={"non_negative": True, "help": "Wrap report: warn when units are smaller than this."},
     )
 
 

@@ -1,11 +1,12 @@
-"""Checks on a merged recipe that its types alone cannot express. Allowed values and sign rules come from
-the schema's field metadata (``allowed``, ``positive``, ``non_negative``); the rest are cross-field rules."""
+"""Checks on a merged recipe that its types alone cannot express. Allowed values and number ranges come from
+the schema's field metadata (``RULES``), so every setting is checked in one place; the rest are cross-field
+rules."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Iterator, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe.schema import RecipeConfig
@@ -28,29 +29,60 @@ def schema_fields(schema: type = RecipeConfig, prefix: str = "") -> Iterator[Tup
             yield f"{prefix}{f.name}", f
 
 
-def _check_field(key: str, value: Any, meta: Any) -> None:
+# The value rules a field's metadata may carry; null always passes. For a list or a mapping they apply to
+# every item (``length`` is the list's own). Every int/float field has at least one of RANGE_RULES
+# (tests/test_recipe_errors.py walks the schema), so no number reaches training unchecked.
+RANGE_RULES = ("allowed", "positive", "non_negative", "fraction", "min", "max")
+RULES = RANGE_RULES + ("length",)  # and "help", the reference text
+
+
+def _range_problem(value: Any, meta: Any) -> Optional[str]:
+    """What ``value`` breaks of ``meta``'s rules, as the rest of a sentence ("must be positive"), or None."""
     allowed = meta.get("allowed")
     if allowed is not None and value not in allowed:
         shown = ", ".join("null" if a is None else str(a) for a in allowed)
-        raise ShardlightError(f"{key}: '{value}' is not allowed; allowed values: {shown}")
+        return f"is not allowed; allowed values: {shown}"
     if value is None:
-        return
-    if meta.get("positive") and value <= 0:
-        raise ShardlightError(f"{key} must be positive, got {value}")
-    if meta.get("non_negative") and value < 0:
-        raise ShardlightError(f"{key} must not be negative, got {value}")
+        return None
+    if meta.get("positive") and not value > 0:
+        return "must be positive"
+    if meta.get("non_negative") and not value >= 0:
+        return "must not be negative"
+    if meta.get("fraction") and not 0 <= value < 1:
+        return "must be in [0, 1)"
+    low, high = meta.get("min"), meta.get("max")
+    if (low is not None and not value >= low) or (high is not None and not value <= high):
+        if low is not None and high is not None:
+            return f"must be between {low} and {high}"
+        return f"must be at least {low}" if low is not None else f"must be at most {high}"
+    return None
+
+
+def _fail(key: str, value: Any, problem: str) -> ShardlightError:
+    if problem.startswith("is not allowed"):
+        return ShardlightError(f"{key}: '{value}' {problem}")
+    return ShardlightError(f"{key} {problem}, got {value}")
+
+
+def _check_field(key: str, value: Any, meta: Any) -> None:
+    if isinstance(value, (list, tuple)):
+        length = meta.get("length")
+        if length is not None and len(value) != length:
+            raise ShardlightError(f"{key} must have {length} items, got {list(value)}")
+        items = [(f"{key}[{i}]", item) for i, item in enumerate(value)]
+    elif isinstance(value, dict):
+        items = [(f"{key}.{name}", item) for name, item in value.items()]
+    else:
+        items = [(key, value)]
+    for item_key, item in items:
+        problem = _range_problem(item, meta)
+        if problem:
+            raise _fail(item_key, item, problem)
 
 
 def validate(cfg: RecipeConfig) -> None:
     for key, f in schema_fields():
         _check_field(key, get_key(cfg, key), f.metadata)
-    if not 0 <= cfg.data.val_fraction < 1:
-        raise ShardlightError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ShardlightError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
-    if cfg.trainer.gradient_clip_val is not None and cfg.trainer.gradient_clip_val <= 0:
-        raise ShardlightError(
-            f"trainer.gradient_clip_val must be positive or null, got {cfg.trainer.gradient_clip_val}")
     if (cfg.model.name_or_path is None) == (cfg.model.config is None):
         raise ShardlightError("model: set exactly one of model.name_or_path (pretrained) or model.config (inline)")
     if cfg.model.config is not None and "model_type" not in cfg.model.config:

@@ -1,0 +1,114 @@
+"""PeerFailureCallback: a collective that failed because another rank died or hung, as one clear line.
+
+A dead rank (SIGKILL, the OOM killer, a crash) or a stopped one (hung, SIGSTOPped, swapped out) reaches the
+others as whatever error the collective they are in raises, and which one each survivor sees is timing:
+gloo's ``Timed out waiting 15000ms for recv operation`` on the first op to time out, and ``Application timeout
+caused pair closure`` on every op that was pending on a pair that timeout closed (in another thread, or the
+next op), ``Connection reset by peer`` / ``closed by peer`` once the peer's process is gone, ``Connection
+refused`` from the store, a broken pipe, NCCL's watchdog and remote-error messages, ``torch.distributed
+.DistError`` and its subclasses, any of them wrapped in another exception. ``peer_failure`` recognizes all
+of them in one table (``PATTERNS``).
+
+For such a failure the user sees one line, ``error: rank R: a collective failed, ...``, and a non-zero exit,
+without the traceback: the callback prints the line in ``on_exception`` (the first moment Lightning lets
+us, before teardown and before Lightning's child-process observer may SIGKILL this rank) and, for the
+uncaught exception that follows at the top of the process, replaces the traceback with nothing
+(``sys.excepthook``). Lightning still runs its whole exception path (``on_exception`` of the other
+callbacks, logger ``finalize("failed")``, teardown) and re-raises; a caller that catches the exception
+(a test calling the CLI's ``main``) gets it as before. Not recipe-configured: ``shardlight.build`` always
+adds it, whether or not checkpoints are enabled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any, Iterator, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from shardlight.errors import first_line
+
+# One row per form a dead or stopped peer takes: (what it is, a case-insensitive regex on one exception's
+# message). Deliberately specific: a bare "timeout" or "connection" would also match, say, a data download.
+PATTERNS: Tuple[Tuple[str, str], ...] = (
+    ("gloo: an op timed out waiting for the peer", r"timed out waiting \d+ ?ms for (send|recv)"),
+    ("gloo: a pair closed by an earlier op's timeout", r"application timeout caused pair closure"),
+    ("the peer's socket went away", r"connection (reset|closed) by peer"),
+    ("no one listens where the peer was", r"connection refused"),
+    ("the peer's end of a socket is closed", r"broken pipe"),
+    ("NCCL's watchdog: a collective ran past its timeout",
+     r"watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out"),
+    ("NCCL's watchdog or heartbeat monitor gave up", r"watchdog thread terminated|heartbeat monitor timed out"),
+    ("NCCL: the remote rank failed", r"ncclremoteerror|remote process exited|communicator was aborted"),
+    ("the store timed out waiting for other ranks", r"socket timeout|wait timeout after \d+ ?ms"),
+)
+_COMPILED = tuple((what, re.compile(pattern, re.IGNORECASE)) for what, pattern in PATTERNS)
+_DIST_ERRORS = tuple(t for t in (getattr(torch.distributed, "DistError", None),) if isinstance(t, type))
+_MAX_DETAIL = 300
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it wraps (``__cause__``, ``__context__``, an ExceptionGroup's members),
+    each once, nearest first."""
+    todo, seen = [exc], set()
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        todo.extend([current.__cause__, current.__context__, *getattr(current, "exceptions", ())])
+
+
+def peer_failure(exc: BaseException) -> Optional[str]:
+    """``"Type: first line"`` of the exception in ``exc``'s chain that says another rank died or hung (a
+    ``DistError``, or a message ``PATTERNS`` matches); None for every other error."""
+    for link in exception_chain(exc):
+        message = str(link)
+        if isinstance(link, _DIST_ERRORS) or any(regex.search(message) for _, regex in _COMPILED):
+            return f"{type(link).__name__}: {first_line(link)[:_MAX_DETAIL]}"
+    return None
+
+
+def peer_failure_message(rank: int, detail: str) -> str:
+    return (f"error: rank {rank}: a collective failed, another rank probably died or hung ({detail}); "
+            "stopping this rank")
+
+
+class _QuietExit:
+    """``sys.excepthook`` for the uncaught exception a reported peer failure becomes: its one line is already
+    out, so exit non-zero without the traceback (and without the interpreter's teardown, where gloo's
+    threads, still blocked on the dead peer, can abort the process with a C++ message). Any other uncaught
+    exception goes to the hook that was there before (torch's, which prefixes each line with the rank)."""
+
+    def __init__(self, reported: BaseException, previous: Any) -> None:
+        self.reported = reported
+        self.previous = previous
+
+    def __call__(self, kind: type, value: BaseException, traceback: Any) -> None:
+        if any(link is self.reported for link in exception_chain(value)):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        self.previous(kind, value, traceback)
+
+
+class PeerFailureCallback(pl.Callback):
+    """Prints the one clear line for a collective another rank's death or hang broke, and exits quietly."""
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        detail = peer_failure(exception)
+        if detail is None:
+            return  # not ours: the traceback is what the user needs
+        print(peer_failure_message(trainer.global_rank, detail), file=sys.stderr, flush=True)
+        if not isinstance(sys.excepthook, _QuietExit):
+            sys.excepthook = _QuietExit(exception, sys.excepthook)
+
+
+def build() -> PeerFailureCallback:
+    return PeerFailureCallback()
