@@ -129,10 +129,12 @@ def _working_attention(model_cfg: ModelConfig, config: PretrainedConfig) -> List
 
 
 def check_output_dir(output_dir: str) -> None:
-    """Every rank and the export write under output_dir: create it (only it) and prove a file can be written."""
-    path = Path(output_dir).expanduser()
+    """Every rank and the export write under output_dir: prove it can be created and written, and leave the
+    disk as it was (a later check may still refuse the run, and bad input writes nothing)."""
+    path = Path(output_dir).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ShardlightError(f"output_dir '{output_dir}' is a file; it must be a directory (or not exist yet)")
+    missing = [p for p in [path, *path.parents] if not p.exists()]  # the dirs this probe creates
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -145,6 +147,12 @@ def check_output_dir(output_dir: str) -> None:
         raise ShardlightError(
             f"output_dir '{output_dir}' is not writable (a probe file failed: {exc.strerror or first_line(exc)})"
         ) from None
+    finally:
+        for created in missing:  # innermost first; the run creates them again when it starts writing
+            try:
+                created.rmdir()
+            except OSError:
+                break
 
 
 def _uses_gpu(cfg: RecipeConfig) -> bool:
