@@ -190,6 +190,11 @@ class CommTimeCallback(Callback):
             directory = self.trace_root / f"step_{step:06d}"
             directory.mkdir(parents=True, exist_ok=True)
             window["file"] = directory / f"rank{rank()}.pt.trace.json"
+            # libkineto prints "USDT: ... profiler_start" and "profiler_stop" at every start and stop (its USDT
+            # level, 5): four console lines per window on 2 ranks. It reads KINETO_LOG_LEVEL once, when the
+            # process's first profiler starts, so set it here, before that. 6 is above all its levels, errors
+            # too (a failed window is our own warning); a user's own value wins.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             activities = [torch.profiler.ProfilerActivity.CPU]
             if trainer.strategy.root_device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -1,27 +1,29 @@
 """PeerFailureCallback: a collective that failed because another rank died or hung, as one clear line.
 
 A dead rank (SIGKILL, the OOM killer, a crash) or a stopped one (hung, SIGSTOPped, swapped out) reaches the
-others as whatever error the collective they are in raises, and which one each survivor sees is timing:
-gloo's ``Timed out waiting 15000ms for recv operation`` on the first op to time out, and ``Application timeout
-caused pair closure`` on every op that was pending on a pair that timeout closed (in another thread, or the
-next op), ``Connection reset by peer`` / ``closed by peer`` once the peer's process is gone, ``Connection
-refused`` from the store, a broken pipe, NCCL's watchdog and remote-error messages, ``torch.distributed
-.DistError`` and its subclasses, any of them wrapped in another exception. ``peer_failure`` recognizes all
-of them in one table (``PATTERNS``).
+others as whatever error the collective they are in raises, and which collective that is is timing. gloo
+raises ``Timed out waiting 15000ms for recv operation`` in the op that times out and closes every pair of
+its context, so each later op fails at once with ``Application timeout caused pair closure``; and Lightning
+broadcasts a SIGTERM flag before every training batch, swallowing any exception that broadcast raises. A
+rank that stops while the other waits in that broadcast therefore shows up as *only* the pair closure, in
+the next batch's first FSDP all-gather. A process that is gone shows up as ``Connection reset by peer`` /
+``closed by peer``, ``Connection refused`` (the store) or a broken pipe; NCCL adds its watchdog and
+remote-error messages; torch raises ``DistError`` subclasses; any of them may come wrapped in another
+exception. ``peer_failure`` recognizes all of them, by type and by one table of messages (``PATTERNS``).
 
-For such a failure the user sees one line, ``error: rank R: a collective failed, ...``, and a non-zero exit,
+For such a failure the user sees one line, ``error: rank R: a collective failed, ...``, and exit status 1,
 without the traceback: the callback prints the line in ``on_exception`` (the first moment Lightning lets
 us, before teardown and before Lightning's child-process observer may SIGKILL this rank) and, for the
-uncaught exception that follows at the top of the process, replaces the traceback with nothing
-(``sys.excepthook``). Lightning still runs its whole exception path (``on_exception`` of the other
-callbacks, logger ``finalize("failed")``, teardown) and re-raises; a caller that catches the exception
-(a test calling the CLI's ``main``) gets it as before. Not recipe-configured: ``shardlight.build`` always
-adds it, whether or not checkpoints are enabled.
+uncaught exception that follows at the top of the process, prints nothing instead of the traceback
+(``sys.excepthook``; ``shardlight.cli.main`` only catches ``ShardlightError``). Lightning still runs its whole
+exception path (the other callbacks' ``on_exception``, loggers' ``finalize("failed")``, teardown) and
+re-raises; a caller that catches the exception (a test calling the CLI's ``main``) gets it as before. Not
+recipe-configured: ``shardlight.build`` always adds it, whether or not checkpoints are enabled.
 """
 
 from __future__ import annotations
 
-import os
+import builtins
 import re
 import sys
 from typing import Any, Iterator, Optional, Tuple
@@ -48,7 +50,9 @@ PATTERNS: Tuple[Tuple[str, str], ...] = (
 )
 _COMPILED = tuple((what, re.compile(pattern, re.IGNORECASE)) for what, pattern in PATTERNS)
 _DIST_ERRORS = tuple(t for t in (getattr(torch.distributed, "DistError", None),) if isinstance(t, type))
+_GROUPS = tuple(t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t)  # Python >= 3.11
 _MAX_DETAIL = 300
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*:\d+\] ")
 
 
 def exception_chain(exc: BaseException) -> Iterator[BaseException]:
@@ -61,17 +65,25 @@ def exception_chain(exc: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        todo.extend([current.__cause__, current.__context__, *getattr(current, "exceptions", ())])
+        members = current.exceptions if isinstance(current, _GROUPS) else ()
+        todo.extend([current.__cause__, current.__context__, *members])
 
 
 def peer_failure(exc: BaseException) -> Optional[str]:
-    """``"Type: first line"`` of the exception in ``exc``'s chain that says another rank died or hung (a
+    """``"Type: gist"`` of the exception in ``exc``'s chain that says another rank died or hung (a
     ``DistError``, or a message ``PATTERNS`` matches); None for every other error."""
     for link in exception_chain(exc):
         message = str(link)
         if isinstance(link, _DIST_ERRORS) or any(regex.search(message) for _, regex in _COMPILED):
-            return f"{type(link).__name__}: {first_line(link)[:_MAX_DETAIL]}"
+            return f"{type(link).__name__}: {_gist(link)}"
     return None
+
+
+def _gist(exc: BaseException) -> str:
+    """The first sentence of the first line, without gloo's ``[/path/to/pair.cc:537] `` source prefix and the
+    advice it appends ("This is typically caused by ... GLHF!")."""
+    line = _SOURCE_PREFIX.sub("", first_line(exc))
+    return line.split(". ", 1)[0][:_MAX_DETAIL]
 
 
 def peer_failure_message(rank: int, detail: str) -> str:
@@ -81,24 +93,21 @@ def peer_failure_message(rank: int, detail: str) -> str:
 
 class _QuietExit:
     """``sys.excepthook`` for the uncaught exception a reported peer failure becomes: its one line is already
-    out, so exit non-zero without the traceback (and without the interpreter's teardown, where gloo's
-    threads, still blocked on the dead peer, can abort the process with a C++ message). Any other uncaught
-    exception goes to the hook that was there before (torch's, which prefixes each line with the rank)."""
+    out, so print nothing (the interpreter then exits with status 1). Any other uncaught exception goes to the
+    hook that was there before (torch's, which prefixes each traceback line with the rank)."""
 
     def __init__(self, reported: BaseException, previous: Any) -> None:
         self.reported = reported
         self.previous = previous
 
     def __call__(self, kind: type, value: BaseException, traceback: Any) -> None:
-        if any(link is self.reported for link in exception_chain(value)):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        self.previous(kind, value, traceback)
+        if not any(link is self.reported for link in exception_chain(value)):
+            self.previous(kind, value, traceback)
 
 
 class PeerFailureCallback(pl.Callback):
-    """Prints the one clear line for a collective another rank's death or hang broke, and exits quietly."""
+    """Prints the one clear line for a collective another rank's death or hang broke, and keeps the traceback
+    of the exception Lightning re-raises off the console."""
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -106,8 +115,11 @@ class PeerFailureCallback(pl.Callback):
         if detail is None:
             return  # not ours: the traceback is what the user needs
         print(peer_failure_message(trainer.global_rank, detail), file=sys.stderr, flush=True)
-        if not isinstance(sys.excepthook, _QuietExit):
-            sys.excepthook = _QuietExit(exception, sys.excepthook)
+        hook = sys.excepthook
+        if isinstance(hook, _QuietExit):
+            hook.reported = exception
+        else:
+            sys.excepthook = _QuietExit(exception, hook)
 
 
 def build() -> PeerFailureCallback:

@@ -3,9 +3,11 @@ checked through metrics.csv, the offline W&B run's records and ``shardlight anal
 
 from __future__ import annotations
 
+import builtins
 import csv
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from shardlight.callbacks import REGISTRY, Shared, build_enabled
 from shardlight.callbacks._common import aggregate, interval, per_rank_key, storage_bytes
 from shardlight.callbacks.comm import CommTimeCallback, window_metrics
 from shardlight.callbacks.memory import MemoryHeadroomCallback
+from shardlight.callbacks.peer_failure import PeerFailureCallback, peer_failure
+from shardlight.callbacks.progress import LatestMetrics, StepProgressBar, bar_metrics
 from shardlight.callbacks.rank_table import RankTableCallback
 from shardlight.callbacks.throughput import ThroughputCallback, lookup_peak_tflops, read_baseline
 
@@ -366,8 +370,129 @@ def test_every_overridden_hook_is_marked_override():
     from shardlight.callbacks.preemption import PreemptionCallback
 
     hooks = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
-    for cls in (CommTimeCallback, MemoryHeadroomCallback, ThroughputCallback, RankTableCallback, PreemptionCallback):
+    for cls in (CommTimeCallback, MemoryHeadroomCallback, ThroughputCallback, RankTableCallback, PreemptionCallback,
+                PeerFailureCallback, StepProgressBar):
         overridden = [name for name in hooks if name in vars(cls)]
         assert overridden, cls
         for name in overridden:
             assert getattr(vars(cls)[name], "__override__", False), f"{cls.__name__}.{name} lacks @override"
+
+
+# --- a dead or stopped peer ------------------------------------------------------------------------------
+
+GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+ADVICE = ". This is typically caused by a remote worker crashing. Check the logs of the remote worker. GLHF!"
+# (the exception a surviving rank sees, the detail its one line quotes): each form a dead or stopped peer takes.
+PEER_FAILURES = [
+    (RuntimeError(GLOO + "unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"),
+     "RuntimeError: Timed out waiting 15000ms for recv operation to complete"),
+    (RuntimeError(GLOO + "unbound_buffer.cc:129] Timed out waiting 15000ms for send operation to complete"),
+     "RuntimeError: Timed out waiting 15000ms for send operation to complete"),
+    (RuntimeError("Application timeout caused pair closure"), "RuntimeError: Application timeout caused pair closure"),
+    (RuntimeError(GLOO + "pair.cc:537] Read error [127.0.0.1]:33452: Connection reset by peer" + ADVICE),
+     "RuntimeError: Read error [127.0.0.1]:33452: Connection reset by peer"),
+    (RuntimeError(GLOO + "pair.cc:553] Connection closed by peer [127.0.0.1]:925" + ADVICE),
+     "RuntimeError: Connection closed by peer [127.0.0.1]:925"),
+    (ConnectionRefusedError(111, "Connection refused"), "ConnectionRefusedError: [Errno 111] Connection refused"),
+    (BrokenPipeError(32, "Broken pipe"), "BrokenPipeError: [Errno 32] Broken pipe"),
+    (RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                  "Timeout(ms)=600000) ran for 600071 milliseconds before timing out."),
+     "RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+     "Timeout(ms)=600000) ran for 600071 milliseconds before timing out."),
+    (RuntimeError("Process group watchdog thread terminated with exception: NCCL error: remote process exited or "
+                  "there was a network error"),
+     "RuntimeError: Process group watchdog thread terminated with exception: NCCL error: remote process exited "
+     "or there was a network error"),
+    (RuntimeError("NCCL communicator was aborted on rank 0."), "RuntimeError: NCCL communicator was aborted on rank 0."),
+    (RuntimeError("[PG ID 0 PG GUID 0 Rank 1] Heartbeat monitor timed out! Process will be terminated."),
+     "RuntimeError: [PG ID 0 PG GUID 0 Rank 1] Heartbeat monitor timed out! Process will be terminated."),
+    (torch.distributed.DistNetworkError("anything at all"), "DistNetworkError: anything at all"),
+    (torch.distributed.DistStoreError("wait timeout after 30000ms, keys: /x"),
+     "DistStoreError: wait timeout after 30000ms, keys: /x"),
+    (torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970"),
+     "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970"),
+]
+ORDINARY = [
+    ValueError("Expected input batch_size (8) to match target batch_size (16)"),
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("Expected all tensors to be on the same device, but found at least two devices"),
+    KeyError("model.layers.0.self_attn.q_proj.weight"),
+    OSError("HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out. (read timeout=10)"),
+    TimeoutError("reading the data file timed out"),
+    RuntimeError(""),
+]
+
+
+@pytest.mark.parametrize("exc,detail", PEER_FAILURES, ids=[f"{type(e).__name__}:{str(e)[:40]}" for e, _ in PEER_FAILURES])
+def test_every_form_of_a_dead_or_stopped_peer_is_recognized(exc, detail):
+    assert peer_failure(exc) == detail
+
+
+@pytest.mark.parametrize("exc", ORDINARY, ids=[f"{type(e).__name__}:{str(e)[:40]}" for e in ORDINARY])
+def test_ordinary_errors_are_not_peer_failures(exc):
+    assert peer_failure(exc) is None
+
+
+def test_peer_failure_found_anywhere_in_the_exception_chain():
+    closure = RuntimeError("Application timeout caused pair closure")
+
+    def raised(outer, inner, explicit):
+        try:
+            try:
+                raise inner
+            except Exception as exc:
+                if explicit:
+                    raise outer from exc
+                raise outer  # noqa: B904 - the implicit __context__ is the case under test
+        except Exception as exc:
+            return exc
+
+    for explicit in (True, False):  # __cause__ (raise ... from) and __context__ (raised while handling)
+        wrapped = raised(RuntimeError("the training step failed"), closure, explicit)
+        assert peer_failure(wrapped) == "RuntimeError: Application timeout caused pair closure", explicit
+        assert peer_failure(raised(ValueError("outer"), ValueError("inner"), explicit)) is None
+    group_type = getattr(builtins, "BaseExceptionGroup", None)  # Python >= 3.11
+    if group_type is not None:
+        group = group_type("two ranks", [ValueError("x"), closure])
+        assert peer_failure(group) == "RuntimeError: Application timeout caused pair closure"
+    cyclic_a, cyclic_b = ValueError("a"), ValueError("b")
+    cyclic_a.__context__, cyclic_b.__context__ = cyclic_b, cyclic_a
+    assert peer_failure(cyclic_a) is None  # terminates
+
+
+def test_peer_failure_is_one_line_and_the_traceback_is_dropped(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
+    callback = PeerFailureCallback()
+    ordinary = ValueError("a bug")
+    callback.on_exception(SimpleNamespace(global_rank=1), None, ordinary)
+    assert capsys.readouterr().err == "" and sys.excepthook is not None
+    failure = RuntimeError("Application timeout caused pair closure")
+    callback.on_exception(SimpleNamespace(global_rank=1), None, failure)
+    err = capsys.readouterr().err
+    assert err == ("error: rank 1: a collective failed, another rank probably died or hung (RuntimeError: "
+                   "Application timeout caused pair closure); stopping this rank\n")
+    try:  # Lightning's teardown failing in turn: the exception that escapes wraps the reported one
+        raise RuntimeError("teardown failed") from failure
+    except RuntimeError as escaped:
+        sys.excepthook(type(escaped), escaped, escaped.__traceback__)
+    assert seen == [] and capsys.readouterr().err == ""  # nothing more than the one line
+    sys.excepthook(ValueError, ordinary, None)
+    assert seen == [ordinary]  # any other uncaught exception still gets its traceback
+
+
+# --- the progress bar --------------------------------------------------------------------------------------
+
+def test_bar_shows_loss_tokens_and_exposed_comm_once_known():
+    import math
+
+    latest = LatestMetrics()
+    assert bar_metrics({}, latest.values) == {}
+    latest.log_metrics({"throughput/tokens_per_sec_per_device": torch.tensor(15272.4), "comm/exposed_ms": 3.0,
+                        "step/time_ms": 12.0, "memory/peak_gb": 0.5, "table": "not a number"})
+    assert bar_metrics({"train/loss": torch.tensor(2.22541), "val/loss": math.nan}, latest.values) == {
+        "loss": "2.2254", "tokens/s/device": "15,272", "exposed comm": "25%"}
+    latest.log_metrics({"step/time_ms": 0.0})
+    assert "exposed comm" not in bar_metrics({}, latest.values)

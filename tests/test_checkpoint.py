@@ -183,7 +183,13 @@ def _rank1(pid):
 
 @pytest.mark.parametrize("victim", ["rank1", "rank0", "rank1-stopped"])
 def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim):
-    """SIGKILL of either rank; and SIGSTOP (a hung rank), which only the collective timeout can detect."""
+    """SIGKILL of either rank; and SIGSTOP (a hung rank), which only the collective timeout can detect.
+
+    Which error the survivor sees depends on which collective the signal finds it in, and nothing here
+    controls that: a SIGSTOP while the survivor waits in Lightning's per-batch SIGTERM broadcast (which
+    swallows its own timeout) surfaces only as gloo's "Application timeout caused pair closure" in the next
+    all-gather; elsewhere as "Timed out waiting ... for recv/send". Every form must give the same one line.
+    """
     import psutil
 
     _, recipe = tiny
@@ -224,9 +230,14 @@ def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim)
         proc.kill()
     assert elapsed < 60
     survivor_rank = 1 if victim == "rank0" else 0
-    assert f"error: rank {survivor_rank}: a collective failed, another rank probably died" in stderr, stderr[-3000:]
-    if victim != "rank0":
-        assert proc.returncode not in (0, None)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]  # the survivor's one line; the victim never got to say anything
+    assert errors[0].startswith(f"error: rank {survivor_rank}: a collective failed, another rank probably died")
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if victim == "rank1-stopped":
+        assert proc.returncode == 1
+    elif victim == "rank1":
+        assert proc.returncode not in (0, None)  # 1, or SIGKILL from Lightning's child-process observer
 
 
 def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny, run_a, tmp_path):

@@ -46,6 +46,13 @@ class SafeWandbLogger(WandbLogger):
 
     _shardlight_failed = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning always passes wandb.init(anonymous=None); wandb (0.31 here) warns "The anonymous setting has no
+        # effect" whenever the key is there, even as None, so leave it out unless someone set it.
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
+
     def _disable(self, what: str, exc: BaseException) -> None:
         if not self._shardlight_failed:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -2,24 +2,45 @@
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 
 from shardlight.build.callbacks import build_callbacks
 from shardlight.build.loggers import build_loggers
 from shardlight.build.strategy import build_strategy
+from shardlight.callbacks.progress import LatestMetrics, StepProgressBar
 from shardlight.launch import launcher_named
 from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
+# Where Lightning's rank_zero_info lands (fabric's name until lightning.pytorch re-points it).
+_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def _not_an_advertisement(record: logging.LogRecord) -> bool:
+    """Lightning's Trainer logs a "Tip: ... try installing litlogger" on every run without its LitLogger."""
+    return "litlogger" not in str(record.msg)
+
 
 def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
     t = cfg.trainer
+    for name in _LIGHTNING_INFO_LOGGERS:
+        logging.getLogger(name).addFilter(_not_an_advertisement)  # once: a logger keeps a filter only once
+    strategy = build_strategy(cfg)
+    loggers = build_loggers(cfg, ctx)
+    callbacks = build_callbacks(cfg, ctx)
+    if t.progress_bar:
+        # The observability callbacks log through the loggers; the bar reads their latest values from this one.
+        latest = LatestMetrics()
+        loggers.append(latest)
+        callbacks.append(StepProgressBar(latest))
     return pl.Trainer(
         plugins=launcher_named(ctx.launcher).lightning_plugins() or None,
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(cfg),
+        strategy=strategy,
         precision=t.precision,
         max_steps=t.max_steps,
         accumulate_grad_batches=t.accumulate_grad_batches,
@@ -32,8 +53,8 @@ def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
-        logger=build_loggers(cfg, ctx),
-        callbacks=build_callbacks(cfg, ctx),
+        logger=loggers,
+        callbacks=callbacks,
         default_root_dir=str(ctx.run_dir),
         use_distributed_sampler=True,
     )

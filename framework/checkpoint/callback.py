@@ -271,16 +271,6 @@ class CheckpointCallback(Callback):
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        dist_errors = tuple(t for t in (getattr(torch.distributed, "DistError", None),) if t)
-        text = str(exception).strip().splitlines()
-        first = text[0] if text else type(exception).__name__
-        if isinstance(exception, dist_errors) or any(w in first.lower() for w in ("gloo", "nccl", "connection",
-                                                                                   "timed out", "peer")):
-            print(f"error: rank {trainer.global_rank}: a collective failed, another rank probably died or "
-                  f"hung ({type(exception).__name__}: {first[:300]}); stopping this rank", file=sys.stderr,
-                  flush=True)
-
 
 def build_checkpoint_callback(cfg: Any, ctx: RunContext) -> Optional[CheckpointCallback]:
     """The recipe's ``checkpoint:`` section and the run's resume decision → the callback (or None)."""
