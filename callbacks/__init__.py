@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 from lightning.pytorch.callbacks import Callback
 
 from shardlight.callbacks import comm, memory, rank_table, throughput
-from shardlight.callbacks._common import Shared
+from shardlight.callbacks._common import Findings, Shared
 from shardlight.runtime import RunContext
 
 # Recipe section name → module with ``Config`` and ``build``; built (and run) in this order.
@@ -54,4 +54,14 @@ def build_enabled(configs: Any, ctx: RunContext, shared: Optional[Shared] = None
     return callbacks
 
 
-__all__ = ["REGISTRY", "Shared", "build_enabled"]
+def findings_of(trainer: Any) -> Optional[Findings]:
+    """The run's ``Findings`` (rank 0's latest analysis, verdict, memory and throughput), held by its callbacks;
+    None when no observability callback is enabled."""
+    for callback in getattr(trainer, "callbacks", []):
+        findings = getattr(callback, "findings", None)
+        if isinstance(findings, Findings):
+            return findings
+    return None
+
+
+__all__ = ["REGISTRY", "Findings", "Shared", "build_enabled", "findings_of"]

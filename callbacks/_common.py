@@ -174,15 +174,45 @@ class RankTable:
 
 
 @dataclass
+class Findings:
+    """Rank 0's latest cross-rank facts, what the diagnosis reads: each callback fills its own part right
+    after its gather (other ranks leave it empty). The comm window's diagnosis reads the others' latest.
+
+    Arguments:
+        memory: rank -> ``headroom_bytes``, ``capacity_bytes``, ``peak_bytes``, ``params_bytes``,
+            ``grads_bytes``, ``optim_bytes`` (the memory callback's latest snapshot).
+        throughput: ``tokens_per_sec_per_device`` and ``scaling_efficiency`` (when a baseline is known).
+        analysis: the latest comm window's trace analysis, combined across ranks (``shardlight.trace``).
+        diagnosis: that window's ``shardlight.diagnosis.Diagnosis``; ``window_step`` its last step.
+    """
+
+    memory: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    throughput: Dict[str, Any] = field(default_factory=dict)
+    analysis: Optional[Dict[str, Any]] = None
+    diagnosis: Any = None
+    window_step: Optional[int] = None
+
+
+@dataclass
 class Shared:
     """What one run's callbacks share, made once by ``build_enabled`` and handed to every ``build``.
 
     Arguments:
         table: the per-rank table (comm and memory fill it; ``rank_table`` writes it at the end).
+        findings: rank 0's latest cross-rank facts, the diagnosis's inputs.
         trust_remote_code: the model's ``trust_remote_code`` (the throughput callback rebuilds the
-            architecture on the meta device to count FLOPs); the one fact callbacks need from outside
-            their ``callbacks:`` section.
+            architecture on the meta device to count FLOPs).
+        diagnosis: the recipe's ``diagnosis:`` section (``shardlight.diagnosis.Config``; None: its defaults).
+        micro_batch_size, strategy: what the diagnosis's advice is about (``trainer.micro_batch_size``, the
+            FSDP sharding strategy).
+        tp_size: the tensor-parallel degree: that many ranks share each batch (throughput counts it once).
+        The few facts callbacks need from outside their ``callbacks:`` section, handed in, never imported.
     """
 
     table: RankTable = field(default_factory=RankTable)
+    findings: Findings = field(default_factory=Findings)
     trust_remote_code: bool = False
+    diagnosis: Any = None
+    micro_batch_size: Optional[int] = None
+    strategy: Optional[str] = None
+    tp_size: int = 1

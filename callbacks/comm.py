@@ -12,8 +12,19 @@ The per-rank results are gathered to rank 0, which logs per step of the window (
   ``comm/total_ms``, ``comm/exposed_ms``, ``comm/overlap_pct``, ``comm/compute_ms``, ``comm/ratio``
   (communication / computation time), ``step/time_ms``; each also as ``<key>_min``/``_max``/``_mean``;
 * ``comm/slowest_rank``: the rank holding the cross-rank maximum of ``comm/total_ms``
-  (``comm/total_ms_max``); ``step/slowest_rank`` likewise for ``step/time_ms``;
-* per rank (``per_rank``): ``comm/rank<R>/<name>`` and ``step/rank<R>/time_ms``.
+  (``comm/total_ms_max``) — usually the rank that *waits* most, not the one it waits for (that is
+  ``comm/straggler_rank`` below); ``step/slowest_rank`` likewise for ``step/time_ms``;
+* per rank (``per_rank``): ``comm/rank<R>/<name>`` and ``step/rank<R>/time_ms``;
+* where the communication time went, from the ranks' traces matched collective by collective
+  (``shardlight.trace.combine``): ``comm/wait_ms`` (waiting for the last rank to arrive) and
+  ``comm/transfer_ms`` (moving bytes once all are there), ``comm/exposed_wait_ms`` and
+  ``comm/exposed_transfer_ms`` (the parts not hidden behind compute), ``input/wait_ms`` (host time waiting
+  for the next batch), aggregated and per rank like the others; ``comm/<collective>_busbw_gbps`` (bus
+  bandwidth, nccl-tests conventions); ``comm/straggler_rank``: the rank the others wait for;
+* the window's verdict (``shardlight.diagnosis``): ``diagnosis/*`` shares of the step, and one console line,
+  e.g. ``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
+  headroom 22.1 GB (rank 1)``. The latest window's analysis and verdict stay in ``Shared.findings`` for the
+  end-of-run verdict.
 
 Re-analyse a window offline with ``shardlight analyze run_dir/traces/step_<N>/``: it drops the last
 recorded step as this callback does (HTA's rule), so both report the same communication time.
@@ -40,7 +51,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from shardlight.callbacks._comm_metrics import (
+    METRIC_KEYS,
+    bandwidth_metrics,
+    group_metric_keys,
+    split_metrics,
+    window_metrics,
+)
 from shardlight.callbacks._common import (
+    Findings,
     RankTable,
     Shared,
     aggregate,
@@ -50,14 +69,12 @@ from shardlight.callbacks._common import (
     per_rank_key,
     rank,
 )
+from shardlight.diagnosis import Config as DiagnosisConfig
+from shardlight.diagnosis import diagnose, window_line
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
-from shardlight.trace import analyze_trace_file
+from shardlight.trace import analyze_trace_file, combine
 
-COLLECTIVE_KEYS = {"all_gather": "comm/all_gather_ms", "reduce_scatter": "comm/reduce_scatter_ms",
-                   "all_reduce": "comm/all_reduce_ms"}
-METRIC_KEYS = ("comm/all_gather_ms", "comm/reduce_scatter_ms", "comm/all_reduce_ms", "comm/total_ms",
-               "comm/exposed_ms", "comm/overlap_pct", "comm/compute_ms", "comm/ratio", "step/time_ms")
 TRACE_DIR = "traces"
 
 
@@ -89,33 +106,13 @@ class Config:
         metadata={"non_negative": True,
                   "help": "Keep the traces of this many latest windows in run_dir/traces (null or 0: all)."},
     )
-
-
-def window_metrics(result: Dict[str, Any], step_seconds: Dict[int, float]) -> Dict[str, float]:
-    """Per-step metrics (ms per step) of one rank's analysed window.
-
-    ``result`` is ``analyze_trace_file``'s dict; totals are divided by the number of profiler steps it
-    analysed. ``step_seconds`` maps a ``ProfilerStep`` number to its wall time.
-    """
-    steps = [s for s in result.get("steps", {}) if s.isdigit()]
-    count = max(1, len(steps))
-    per_step_ms = 1e-3 / count
-    metrics = {key: 0.0 for key in COLLECTIVE_KEYS.values()}
-    for collective, values in result.get("by_collective", {}).items():
-        key = COLLECTIVE_KEYS.get(collective)
-        if key:
-            metrics[key] = values["comm_us"] * per_step_ms
-    metrics["comm/total_ms"] = result["comm_us"] * per_step_ms
-    metrics["comm/exposed_ms"] = result["exposed_comm_us"] * per_step_ms
-    metrics["comm/overlap_pct"] = float(result["overlap_pct"])
-    metrics["comm/compute_ms"] = result["compute_us"] * per_step_ms
-    if result.get("comm_to_compute") is not None:
-        metrics["comm/ratio"] = float(result["comm_to_compute"])
-    walls = [step_seconds[int(s)] for s in steps if int(s) in step_seconds]
-    if walls:
-        metrics["step/time_ms"] = 1e3 * sum(walls) / len(walls)
-    metrics["comm/window_steps"] = float(len(steps))
-    return metrics
+    record_shapes: bool = field(
+        default=True,
+        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU)."},
+    )
+    print_windows: bool = field(
+        default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
+    )
 
 
 class CommTimeCallback(Callback):
@@ -131,20 +128,35 @@ class CommTimeCallback(Callback):
         table: where the latest per-rank values go for the end-of-run table.
         gather_delay: steps between a window's end and the cross-rank gather of its results (the
             analysis runs in a background thread meanwhile); metrics are logged at the window's end step.
+        record_shapes: record op shapes (the bytes of gloo collectives).
+        print_windows: print each window's verdict line (rank 0).
+        findings: where rank 0 keeps the latest window's analysis and verdict, and reads the memory and
+            throughput callbacks' latest values for it.
+        diagnosis: the recipe's ``diagnosis:`` thresholds; micro_batch_size, strategy: what its advice is about.
     """
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
                  warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
-                 table: Optional[RankTable] = None, gather_delay: int = 5) -> None:
+                 table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: bool = True,
+                 print_windows: bool = True, findings: Optional[Findings] = None,
+                 diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
+                 strategy: Optional[str] = None) -> None:
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
+        self.tp_size: Optional[int] = None  # set at fit start from the strategy's mesh
         self.wait, self.warmup, self.active = wait, warmup, active
         self.length = wait + warmup + active
         self.per_rank = per_rank
         self.keep_windows = keep_windows
         self.table = table
         self.gather_delay = gather_delay
+        self.record_shapes = record_shapes
+        self.print_windows = print_windows
+        self.findings = findings if findings is not None else Findings()
+        self.diagnosis = diagnosis if diagnosis is not None else DiagnosisConfig()
+        self.micro_batch_size = micro_batch_size
+        self.strategy = strategy
         self._window: Optional[Dict[str, Any]] = None
         self._pending: Optional[Dict[str, Any]] = None
         self._last_step = -1
@@ -169,6 +181,9 @@ class CommTimeCallback(Callback):
     # --- hooks ----------------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # With tensor parallelism the trace's process groups split into TP and FSDP ones (comm/tp/..., comm/fsdp/...).
+        dims = getattr(getattr(trainer.strategy, "resolved", None), "parallel", None)
+        self.tp_size = dims.tp if dims is not None else None
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         define_wandb_group(trainer, "step")
 
@@ -202,7 +217,7 @@ class CommTimeCallback(Callback):
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=lambda p: window.__setitem__("recorded", True),  # exported off the hot path
-                record_shapes=False, profile_memory=False, with_stack=False,
+                record_shapes=self.record_shapes, profile_memory=False, with_stack=False,
             )
             prof.start()
             window["prof"] = prof
@@ -267,8 +282,10 @@ class CommTimeCallback(Callback):
             pass
         try:
             prof.export_chrome_trace(str(window["file"]))
-            result = analyze_trace_file(window["file"])
-            window["result"] = {"metrics": window_metrics(result, window["seconds"])}
+            # payload: what rank 0 needs of this rank to match its collectives with the others' (small)
+            result = analyze_trace_file(window["file"], payload=True)
+            metrics = window_metrics(result, window["seconds"], self.tp_size)
+            window["result"] = {"metrics": metrics, "analysis": result}
         except Exception as exc:  # noqa: BLE001
             window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
 
@@ -314,7 +331,8 @@ class CommTimeCallback(Callback):
         per_rank = [res.get("metrics") for res in results]
         if all(m is None for m in per_rank):
             return
-        metrics = aggregate(METRIC_KEYS, per_rank, worst="mean")
+        verdict = self._diagnose(trainer, window, results, per_rank) if self.diagnosis.enabled else None
+        metrics = aggregate(METRIC_KEYS + tuple(group_metric_keys(per_rank)), per_rank, worst="mean")
         for key, slow_key in (("comm/total_ms", "comm/slowest_rank"), ("step/time_ms", "step/slowest_rank")):
             candidates = [(m[key], r) for r, m in enumerate(per_rank) if m is not None and key in m]
             if candidates:
@@ -327,7 +345,55 @@ class CommTimeCallback(Callback):
             if self.table is not None:
                 self.table.update(r, {k: m.get(k) for k in METRIC_KEYS})
         metrics["comm/window_start_step"] = float(window["start"])
+        if verdict is not None:
+            metrics.update(verdict)
         log_metrics(trainer, metrics, step=window["end"])
+        diagnosis = self.findings.diagnosis if verdict is not None else None
+        if diagnosis is not None and self.print_windows:
+            self._print(trainer, window_line(window["end"], diagnosis))
+
+    def _diagnose(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]],
+                  per_rank: List[Optional[Dict[str, float]]]) -> Optional[Dict[str, float]]:
+        """Match the ranks' collectives (wait vs transfer), diagnose the window; its metrics, or None.
+
+        The split metrics go into ``per_rank`` (each rank's dict), the verdict's and bandwidth's are returned.
+        A failure here is a warning: the window's plain comm metrics are still logged.
+        """
+        analyses = {str(r): res["analysis"] for r, res in enumerate(results) if "analysis" in res}
+        try:
+            analysis = combine(analyses)
+            for r, metrics in enumerate(per_rank):
+                rank_result = analysis["ranks"].get(str(r))
+                if metrics is not None and rank_result is not None:
+                    metrics.update(split_metrics(rank_result))
+            diagnosis = diagnose(
+                analysis, memory=self.findings.memory or None, throughput=self.findings.throughput or None,
+                wrap=getattr(trainer.strategy, "wrap_report", None), config=self.diagnosis,
+                micro_batch_size=self.micro_batch_size, strategy=self._strategy_name(trainer),
+            )
+        except Exception as exc:  # noqa: BLE001 - the diagnosis must never stop training
+            warn(f"comm window at step {window['start']}: no diagnosis ({type(exc).__name__}: {exc})")
+            return None
+        self.findings.analysis, self.findings.diagnosis = analysis, diagnosis
+        self.findings.window_step = window["end"]
+        out = bandwidth_metrics(analysis["summary"])
+        out.update({k: v for k, v in diagnosis.summary_metrics().items() if isinstance(v, (int, float))})
+        if diagnosis.straggler_rank is not None:
+            out["comm/straggler_rank"] = float(diagnosis.straggler_rank)
+        return out
+
+    def _strategy_name(self, trainer: pl.Trainer) -> Optional[str]:
+        """The sharding strategy the run resolved to (the recipe may leave it to the defaults)."""
+        resolved = getattr(trainer.strategy, "resolved", None)
+        return getattr(resolved, "sharding_strategy", None) or self.strategy
+
+    @staticmethod
+    def _print(trainer: pl.Trainer, line: str) -> None:
+        bar = trainer.progress_bar_callback
+        if bar is not None and hasattr(bar, "print"):
+            bar.print(line)  # above a live progress bar, not through it
+        else:
+            print(line, flush=True)
 
     def _prune(self, window: Dict[str, Any]) -> None:
         if window.get("file") is None:
@@ -343,5 +409,7 @@ def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
     return CommTimeCallback(
         Path(ctx.run_dir), every_n_steps=config.every_n_steps, first_step=config.first_step, wait=config.wait,
         warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,
-        table=shared.table,
+        table=shared.table, record_shapes=config.record_shapes, print_windows=config.print_windows,
+        findings=shared.findings, diagnosis=shared.diagnosis, micro_batch_size=shared.micro_batch_size,
+        strategy=shared.strategy,
     )

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from shardlight.callbacks._common import (
     GB,
+    Findings,
     RankTable,
     Shared,
     aggregate,
@@ -164,10 +165,11 @@ class MemoryHeadroomCallback(Callback):
     """Memory headroom and shard bytes per rank, gathered to rank 0 (see the module docstring)."""
 
     def __init__(self, every_n_steps: Optional[int] = None, per_rank: bool = True,
-                 table: Optional[RankTable] = None) -> None:
+                 table: Optional[RankTable] = None, findings: Optional[Findings] = None) -> None:
         self.every_n_steps = every_n_steps
         self.per_rank = per_rank
         self.table = table
+        self.findings = findings
         self._grads_bytes: Optional[int] = None
         self._last_logged = -1
 
@@ -236,8 +238,12 @@ class MemoryHeadroomCallback(Callback):
                 metrics.update({per_rank_key(k, r): v for k, v in values.items()})
             if self.table is not None:
                 self.table.update(r, {f"memory/{k}_bytes": snapshot.get(k) for k in BYTE_KEYS})
+        if self.findings is not None:
+            self.findings.memory = {r: {f"{k}_bytes": s[k] for k in BYTE_KEYS if k in s}
+                                    for r, s in enumerate(snapshots) if s is not None}
         log_metrics(trainer, metrics)
 
 
 def build(config: Config, ctx: RunContext, shared: Shared) -> MemoryHeadroomCallback:
-    return MemoryHeadroomCallback(every_n_steps=config.every_n_steps, per_rank=config.per_rank, table=shared.table)
+    return MemoryHeadroomCallback(every_n_steps=config.every_n_steps, per_rank=config.per_rank, table=shared.table,
+                                  findings=shared.findings)

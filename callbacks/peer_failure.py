@@ -19,6 +19,10 @@ uncaught exception that follows at the top of the process, prints nothing instea
 exception path (the other callbacks' ``on_exception``, loggers' ``finalize("failed")``, teardown) and
 re-raises; a caller that catches the exception (a test calling the CLI's ``main``) gets it as before. Not
 recipe-configured: ``shardlight.build`` always adds it, whether or not checkpoints are enabled.
+
+The callback covers whatever Lightning runs (``fit``, and ``validate`` after it: both call ``on_exception``).
+The collectives a run makes outside Lightning (the export's reference forward and full-weights gather after
+fit) run inside :func:`peer_failures_reported`, which reports the same way (:func:`report_peer_failure`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import builtins
 import re
 import sys
+from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -105,21 +110,42 @@ class _QuietExit:
             self.previous(kind, value, traceback)
 
 
+def report_peer_failure(rank: int, exception: BaseException) -> bool:
+    """If ``exception`` says another rank died or hung: print its one line (once, however often it is
+    reported) and keep its traceback off the console when it reaches the top uncaught. False, and nothing
+    done, for any other error (its traceback is what the user needs)."""
+    detail = peer_failure(exception)
+    if detail is None:
+        return False
+    hook = sys.excepthook
+    if isinstance(hook, _QuietExit):
+        if not any(link is hook.reported for link in exception_chain(exception)):
+            print(peer_failure_message(rank, detail), file=sys.stderr, flush=True)
+        hook.reported = exception
+    else:
+        print(peer_failure_message(rank, detail), file=sys.stderr, flush=True)
+        sys.excepthook = _QuietExit(exception, hook)
+    return True
+
+
+@contextmanager
+def peer_failures_reported(rank: int) -> Iterator[None]:
+    """Collectives outside Lightning's ``fit``/``validate``: a dead or hung peer is reported as
+    :func:`report_peer_failure` does, and the exception propagates unchanged."""
+    try:
+        yield
+    except BaseException as exc:
+        report_peer_failure(rank, exc)
+        raise
+
+
 class PeerFailureCallback(pl.Callback):
     """Prints the one clear line for a collective another rank's death or hang broke, and keeps the traceback
     of the exception Lightning re-raises off the console."""
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        detail = peer_failure(exception)
-        if detail is None:
-            return  # not ours: the traceback is what the user needs
-        print(peer_failure_message(trainer.global_rank, detail), file=sys.stderr, flush=True)
-        hook = sys.excepthook
-        if isinstance(hook, _QuietExit):
-            hook.reported = exception
-        else:
-            sys.excepthook = _QuietExit(exception, hook)
+        report_peer_failure(trainer.global_rank, exception)
 
 
 def build() -> PeerFailureCallback:

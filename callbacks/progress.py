@@ -25,6 +25,7 @@ from typing_extensions import override
 
 TOKENS_PER_SEC = "throughput/tokens_per_sec_per_device"
 EXPOSED_MS, STEP_MS = "comm/exposed_ms", "step/time_ms"
+HEADROOM_GB = "memory/headroom_gb"  # the minimum over ranks
 
 
 class LatestMetrics(Logger):
@@ -65,8 +66,8 @@ def _known(value: Any) -> bool:
 
 def bar_metrics(progress_bar_metrics: Mapping[str, Any], latest: Mapping[str, float]) -> Dict[str, str]:
     """What the bar shows after ``step N/M``, each only once known: the training loss (and validation loss)
-    the module logs for the bar, tokens/s per device, and exposed communication as a share of the step time
-    (the latest comm window's)."""
+    the module logs for the bar, tokens/s per device, exposed communication as a share of the step time
+    (the latest comm window's) and the smallest memory headroom over ranks."""
     shown: Dict[str, str] = {}
     for key, label in (("train/loss", "loss"), ("val/loss", "val_loss")):
         value = progress_bar_metrics.get(key)
@@ -78,6 +79,8 @@ def bar_metrics(progress_bar_metrics: Mapping[str, Any], latest: Mapping[str, fl
     exposed, step = latest.get(EXPOSED_MS), latest.get(STEP_MS)
     if _known(exposed) and _known(step) and step > 0:
         shown["exposed comm"] = f"{100.0 * exposed / step:.0f}%"
+    if _known(latest.get(HEADROOM_GB)):
+        shown["headroom"] = f"{latest[HEADROOM_GB]:.1f} GB"
     return shown
 
 

@@ -4,7 +4,8 @@
 
 * ``throughput/tokens_per_sec_per_device`` and ``throughput/samples_per_sec_per_device``: the mean over
   ranks of each rank's non-padding tokens (``attention_mask``; all of ``input_ids`` without one) and
-  sequences per second of training wall time (validation time excluded), over the last interval;
+  sequences per second of training wall time (validation time excluded), over the last interval; with
+  tensor parallelism (``tp_size`` ranks per batch) each device is credited 1/tp_size of its batch;
 * ``throughput/flops_per_token``: model FLOPs per token of one training step (forward + backward),
   measured once with ``torch.utils.flop_counter.FlopCounterMode`` on a meta-device copy of the Hugging
   Face model at the training sequence length (no memory, no compute, no activation recomputation: model
@@ -33,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from shardlight.callbacks._common import Shared, define_wandb_group, interval, log_metrics
+from shardlight.callbacks._common import Findings, Shared, define_wandb_group, interval, log_metrics
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
 
@@ -154,8 +155,11 @@ class ThroughputCallback(Callback):
 
     def __init__(self, every_n_steps: Optional[int] = None, peak_tflops: Optional[float] = None,
                  peak_tflops_table: Optional[Dict[str, float]] = None, baseline_file: Optional[str] = None,
-                 measure_flops: bool = True, trust_remote_code: bool = False) -> None:
+                 measure_flops: bool = True, trust_remote_code: bool = False,
+                 findings: Optional[Findings] = None, tp_size: int = 1) -> None:
         self.trust_remote_code = trust_remote_code
+        self.tp_size = tp_size
+        self.findings = findings
         self.every_n_steps = every_n_steps
         self.peak_tflops_override = peak_tflops
         self.peak_tflops_table = dict(peak_tflops_table or {})
@@ -253,7 +257,10 @@ class ThroughputCallback(Callback):
             torch.cuda.synchronize(device)
         elapsed = max(1e-9, time.perf_counter() - self._clock - self._excluded)
         tokens = float(self._tokens.item() if isinstance(self._tokens, torch.Tensor) else self._tokens)
-        local = torch.tensor([tokens / elapsed, self._samples / elapsed], dtype=torch.float64, device=device)
+        # With tensor parallelism tp_size ranks compute one batch together: per device, each sees 1/tp_size of it.
+        share = 1.0 / self.tp_size
+        local = torch.tensor([share * tokens / elapsed, share * self._samples / elapsed], dtype=torch.float64,
+                             device=device)
         try:
             mean = trainer.strategy.reduce(local, reduce_op="mean")
         except Exception:  # noqa: BLE001 - a strategy without float64 reduce: float32 is fine for rates
@@ -269,6 +276,12 @@ class ThroughputCallback(Callback):
                 metrics["throughput/mfu"] = tflops / self.peak_tflops
         if self.baseline:
             metrics["throughput/scaling_efficiency"] = tokens_per_sec / self.baseline
+        if self.findings is not None and trainer.is_global_zero:
+            self.findings.throughput = {
+                "tokens_per_sec_per_device": tokens_per_sec,
+                "scaling_efficiency": metrics.get("throughput/scaling_efficiency"),
+                "baseline_tokens_per_sec_per_device": self.baseline,
+            }
         log_metrics(trainer, metrics)
 
 
@@ -276,5 +289,6 @@ def build(config: Config, ctx: RunContext, shared: Shared) -> ThroughputCallback
     return ThroughputCallback(
         every_n_steps=config.every_n_steps, peak_tflops=config.peak_tflops,
         peak_tflops_table=config.peak_tflops_table, baseline_file=config.baseline_file,
-        measure_flops=config.measure_flops, trust_remote_code=shared.trust_remote_code,
+        measure_flops=config.measure_flops, trust_remote_code=shared.trust_remote_code, findings=shared.findings,
+        tp_size=shared.tp_size,
     )

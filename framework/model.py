@@ -129,7 +129,8 @@ class CausalLMModule(pl.LightningModule):
         totals = trainer.strategy.reduce(self._train_window.clone(), reduce_op="sum")
         self._train_window = torch.zeros_like(self._train_window)
         if totals[1] > 0:
-            self.tokens_seen += int(totals[2].item())
+            # The tensor-parallel ranks of one data-parallel group all see the same batch: count it once.
+            self.tokens_seen += int(totals[2].item()) // self.cfg.parallelism.tp_size
             # Micro-batch losses averaged over ranks and the window (each micro-batch weighs the same).
             self.log("train/loss", float(totals[0] / totals[1]), prog_bar=True, rank_zero_only=True)
             self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)

@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from shardlight.adapters import apply_adapters, check_adapter_machine, check_adapter_targets
 from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
 from shardlight.build.model import transformers_reason
 from shardlight.build.optimizer import check_optimizer
@@ -21,6 +22,7 @@ from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.runtime import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
+from shardlight.strategy.tensor_parallel import check_tensor_parallel
 
 # Ranks per core on CPU beyond which a run crawls so badly it looks hung (2 is normal: 4-rank tests on 2 cores).
 MAX_CPU_RANKS_PER_CORE = 2
@@ -37,6 +39,7 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
         check_cpu_ranks(cfg)
     check_data(cfg)
     check_optimizer(cfg.optim, _uses_gpu(cfg))
+    check_adapter_machine(cfg, uses_gpu=_uses_gpu(cfg))
     tokenizer = build_tokenizer(cfg)
     config = build_hf_config(cfg.model)
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -60,6 +63,15 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
             "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
         )
     skeleton = build_skeleton(cfg.model, config)
+    if resolved.parallel is not None:
+        if cfg.peft.method is not None:
+            raise ShardlightError(f"peft.method {cfg.peft.method} with parallelism.tp_size > 1 is not supported yet")
+        check_tensor_parallel(skeleton, resolved.parallel)
+    check_adapter_targets(skeleton, peft_cfg=cfg.peft)
+    # On the meta device, as the ranks will (peft's own refusals surface here); the block classes to wrap
+    # are looked up in the wrapped model, as FSDP will.
+    with torch.device("meta"):
+        skeleton = apply_adapters(skeleton, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
     check_output_dir(cfg.output_dir)  # last: the one check that writes (output_dir itself, nothing inside)

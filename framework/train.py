@@ -14,15 +14,21 @@ from typing import Any, Dict, Optional
 
 import datasets
 import lightning.pytorch as pl
+import transformers
 
 from shardlight.build import build_datamodule, build_module, build_trainer
+from shardlight.callbacks import findings_of
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
+from shardlight.errors import first_line
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
 from shardlight.model import NonFiniteStop
+from shardlight.planner.alternatives import alternatives_for_recipe
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
+from shardlight.strategy import resolve_recipe_fsdp
+from shardlight.verdict import conclude
 
 
 def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
@@ -35,9 +41,47 @@ def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
 
 def _quiet_known_noise() -> None:
     datasets.disable_progress_bars()
+    # The export's save_pretrained / from_pretrained check draw "Writing model shards" / "Loading weights" bars.
+    transformers.utils.logging.disable_progress_bar()
     # Our validation loss is already reduced across ranks; Lightning cannot know that.
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # Lightning sees `srun` on PATH (a login node) and hints at it; `shardlight launch slurm` is the srun path.
+    warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
+    # The final validation after fit runs on every rank with the training sampler's sharding, as during fit.
+    warnings.filterwarnings("ignore", message=r".*During `trainer.validate\(\)`, it is recommended to use.*")
+
+
+def plan_line(cfg: RecipeConfig, run_dir: Path) -> str:
+    """The run as it will happen, in one line: ranks, FSDP version and strategy, precision, the batch per
+    optimizer step, steps and where it goes (printed once, before any rank starts)."""
+    t, fsdp = cfg.trainer, resolve_recipe_fsdp(cfg)
+    ranks = t.num_nodes * t.devices
+    nodes = f"{t.num_nodes} nodes" if t.num_nodes > 1 else "1 node"
+    backend = "gloo" if t.accelerator == "cpu" else "nccl"
+    strategy = ("HYBRID_SHARD" if fsdp.hybrid and fsdp.version == 1 else fsdp.sharding_strategy)
+    where = f"{ranks} {t.accelerator} rank{'s' if ranks > 1 else ''}"
+    tp = cfg.parallelism.tp_size
+    tensor = f" x TP {tp}" if tp > 1 else ""
+    per = "per data-parallel rank" if tp > 1 else "per rank"
+    return (f"shardlight: {cfg.name} on {where} ({nodes}, {backend}): FSDP{fsdp.version} "
+            f"{strategy}{tensor}, wrap {fsdp.auto_wrap_policy}, {t.precision}; {t.micro_batch_size} x "
+            f"{cfg.data.seq_len} tokens x {t.accumulate_grad_batches} accumulation {per} per step, {t.max_steps} "
+            f"steps -> {run_dir}")
+
+
+def planner_alternatives(cfg: RecipeConfig, trainer, module) -> Optional[list]:
+    """The planner's other configurations for this recipe on the device the run had (rank 0; the verdict's
+    effect estimates); None, with a note, when it cannot plan (never fatal)."""
+    findings = findings_of(trainer)
+    if not trainer.is_global_zero or findings is None or findings.analysis is None:
+        return None
+    capacities = [m["capacity_bytes"] for m in findings.memory.values() if m.get("capacity_bytes")]
+    try:
+        return alternatives_for_recipe(cfg, module.model.config, device_memory_bytes=min(capacities, default=None))
+    except Exception as exc:  # noqa: BLE001 - the verdict goes on without effect estimates
+        print(f"note: planner alternatives unavailable ({first_line(exc)})", file=sys.stderr)
+        return None
 
 
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
@@ -92,6 +136,7 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(to_yaml(cfg))
+        print(plan_line(cfg, run_dir), flush=True)
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = build_module(cfg)
@@ -115,6 +160,7 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         write_json(run_dir / "wrap_report.json", wrap)
         for logger in trainer.loggers:
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
+    diagnosis = conclude(trainer, cfg, run_dir, alternatives=planner_alternatives(cfg, trainer, module))
     exported = export_live(trainer, module, tokenizer, run_dir)  # every rank: the full weights are gathered
     model_dir = exported["model_dir"]
 
@@ -127,6 +173,7 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         "wall_time_s": round(time.time() - started, 2),
         "world_size": trainer.world_size,
         "export_max_abs_diff": exported["export_max_abs_diff"],
+        "verdict": diagnosis.verdict if diagnosis is not None else None,
     }
     if cfg.trainer.on_nonfinite == "skip":
         summary["nonfinite_skips"] = module.nonfinite_skips

@@ -496,3 +496,5 @@ def test_bar_shows_loss_tokens_and_exposed_comm_once_known():
         "loss": "2.2254", "tokens/s/device": "15,272", "exposed comm": "25%"}
     latest.log_metrics({"step/time_ms": 0.0})
     assert "exposed comm" not in bar_metrics({}, latest.values)
+    latest.log_metrics({"memory/headroom_gb": 22.149})
+    assert bar_metrics({}, latest.values)["headroom"] == "22.1 GB"

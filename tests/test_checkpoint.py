@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import REPO, forbid_training, run_cli, save_tiny_llama
 
+from shardlight.launch.base import without_run_env
+
 pytestmark = pytest.mark.slow
 
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
@@ -238,6 +240,96 @@ def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim)
         assert proc.returncode == 1
     elif victim == "rank1":
         assert proc.returncode not in (0, None)  # 1, or SIGKILL from Lightning's child-process observer
+
+
+EXPORT_FAULT_WORKER = REPO / "tests" / "workers" / "export_fault_train.py"
+PR_SET_CHILD_SUBREAPER = 36
+# The collective timeout also bounds the start-up rendezvous: rank 1 imports and tokenizes first, slowly on a
+# loaded machine, so not much shorter than this.
+EXPORT_FAULT_TIMEOUT_S = 30
+
+
+def _adopt_orphans(on):
+    """Make this process the subreaper of its descendants (Linux): a rank orphaned by its launcher's death
+    becomes our child, so its exit status can be read. Off again after the test."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0, ctypes.get_errno()
+
+
+def _reap(pid, deadline):
+    """Exit code of ``pid`` once it has exited and is our child (an adopted orphan included); None at
+    ``deadline``."""
+    while time.time() < deadline:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not ours (yet): its launcher still lives
+            done, status = 0, 0
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.parametrize("fault", ["0:kill", "1:stop"])
+def test_peer_dies_or_hangs_in_the_export_after_fit_other_exits_with_clear_message(tiny, tmp_path, fault):
+    """The export after fit gathers the full weights on every rank, outside Lightning: a peer SIGKILLed there
+    (rank 0, whose survivor Lightning's child-process observer cannot SIGKILL first) or SIGSTOPped there
+    (rank 1: only the collective timeout can tell) still gives the survivor's one line, exit 1, no traceback."""
+    _, recipe = tiny
+    victim = int(fault.split(":")[0])
+    survivor = 1 - victim
+    marks = tmp_path / "marks"
+    env = without_run_env(os.environ)
+    env.update(PYTHONPATH=str(REPO), EXPORT_FAULT=fault, EXPORT_FAULT_DIR=str(marks))
+    stderr_path = tmp_path / "stderr.txt"
+    pids, code, finished = {}, None, None
+    _adopt_orphans(True)
+    try:
+        with open(stderr_path, "w") as err, open(tmp_path / "stdout.txt", "w") as out:
+            proc = subprocess.Popen(  # rank 0; Lightning's launcher starts rank 1 as its child
+                [sys.executable, str(EXPORT_FAULT_WORKER), "train", str(recipe), f"output_dir={tmp_path / 'runs'}",
+                 *FAST, "trainer.max_steps=2", "checkpoint.every_n_steps=100000", f"trainer.collective_timeout_s={EXPORT_FAULT_TIMEOUT_S}"],
+                cwd=REPO, env=env, stdout=out, stderr=err)
+        try:
+            deadline = time.time() + 300
+            while len(pids) < 2 and time.time() < deadline and proc.poll() is None:
+                pids = {r: int(text) for r in (0, 1)
+                        if (f := marks / f"rank{r}.pid").is_file() and (text := f.read_text())}
+                time.sleep(0.2)
+            assert len(pids) == 2, stderr_path.read_text()[-3000:]
+            if survivor == 0:
+                try:
+                    code = proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:  # rank 1, ours once SIGKILL takes its launcher
+                code = _reap(pids[1], time.time() + 300)
+            finished = time.time()
+        finally:
+            for rank, pid in pids.items():
+                if rank != 0 and not (rank == survivor and code is not None):
+                    try:
+                        os.kill(pid, signal.SIGKILL)  # the stopped victim; whatever a failure left behind
+                    except ProcessLookupError:
+                        pass
+            proc.kill()
+            proc.wait()
+            if 1 in pids and not (survivor == 1 and code is not None):
+                _reap(pids[1], time.time() + 30)
+    finally:
+        _adopt_orphans(False)
+    stderr = stderr_path.read_text()
+    assert (marks / "fault").is_file(), stderr[-3000:]  # the victim went where it was meant to: in the export
+    assert code is not None, stderr[-3000:]  # the survivor exited
+    elapsed = finished - float((marks / "fault").read_text())
+    assert elapsed < EXPORT_FAULT_TIMEOUT_S + 45, elapsed  # the collective timeout, or at once for a dead peer
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith(f"error: rank {survivor}: a collective failed, another rank probably died"), errors
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]
+    assert code == 1, (code, stderr[-3000:])
 
 
 def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny, run_a, tmp_path):

@@ -45,8 +45,10 @@ def write_config(tmp_path, data, name="config.json"):
 
 
 def plan(tmp_path, capsys, *args):
+    """``shardlight plan --analytic``: these decision cases are 1B-70B models on 8-32 ranks, whose fake-tensor
+    steps take a minute each on 2 cores (tests/test_plan_fake.py runs the measured path on small models)."""
     out = tmp_path / "plan.json"
-    code = main(["plan", *args, "--json", str(out)])
+    code = main(["plan", *args, "--analytic", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(out.read_text()), captured.out
@@ -84,7 +86,7 @@ def test_7b_on_8x80gb_shards_optimizer_state_not_weights(tmp_path, capsys):
                and not r["activation_checkpointing"])
     assert not ddp["fits"]  # 7.2B x (4 + 4 + 8) bytes replicated does not fit in 80 GB
     assert rec["sharding_strategy"] == "SHARD_GRAD_OP"
-    assert any("optimizer state does not fit" in r for r in rec["reasons"])
+    assert any("DDP does not fit" in r and "optimizer state" in r for r in rec["reasons"])
     # Sharded state is 1/8 of the replicated one (up to FSDP padding).
     full = next(r for r in result["strategies"] if r["sharding_strategy"] == "FULL_SHARD"
                 and not r["activation_checkpointing"] and not r["cpu_offload"])
@@ -293,3 +295,73 @@ def test_profile_child_env_is_a_fresh_run(monkeypatch):
     env = child_env()
     assert not {"SHARDLIGHT_RUN_DIR", "SHARDLIGHT_RESUME_FROM", "LOCAL_RANK", "RANK", "WORLD_SIZE"} & set(env)
     assert env["KEEP_ME"] == "1" and "PYTHONPATH" not in env
+
+
+TINYLLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+                "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "max_position_embeddings": 2048}
+MIXTRAL_8X7B = {**MISTRAL_7B, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
+def test_1b_class_that_fits_one_gpu_is_ddp_not_shard_grad_op(tmp_path, capsys):
+    """The issue's case: DDP's all-reduce and FSDP's reduce-scatter both leave the root unit's gradient
+    collective exposed after backward, so SHARD_GRAD_OP is no longer ahead by more than the tie tolerance."""
+    result, text = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, TINYLLAMA_1B), "--gpus-per-node",
+                        "8", "--seq-len", "1024", "--cpu-offload", "off")
+    rows = result["strategies"]
+    ddp = next(r for r in rows if r["sharding_strategy"] == "NO_SHARD" and not r["activation_checkpointing"])
+    sgo = next(r for r in rows if r["sharding_strategy"] == "SHARD_GRAD_OP" and not r["activation_checkpointing"])
+    assert ddp["fits"] and sgo["step_time_s"] > ddp["step_time_s"] / (1 + 0.03)
+    assert result["recommendation"]["sharding_strategy"] == "NO_SHARD"
+    assert "as fast as DDP" not in text
+
+
+@pytest.mark.parametrize("args", [
+    ("--seq-len", "512", "--micro-batch-size", "2"),
+    ("--seq-len", "1024", "--interconnect", "pcie"),
+    ("--seq-len", "2048", "--gpu-memory", "16GB"),
+    ("--seq-len", "256", "--micro-batch-size", "4", "--interconnect", "nvlink"),
+])
+def test_every_reason_is_true_of_the_rule_that_chose(tmp_path, capsys, args):
+    """Not DDP while a DDP configuration fits means the winner is more than TIE faster, and says by how much."""
+    from shardlight.planner.recommend import TIE
+
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, TINYLLAMA_1B), *args)
+    rec, rows = result["recommendation"], result["strategies"]
+    ddp = [r for r in rows if r["sharding_strategy"] == "NO_SHARD" and r["fits"]]
+    if rec["sharding_strategy"] != "NO_SHARD":
+        reason = next(r for r in rec["reasons"] if r.startswith(rec["sharding_strategy"]))
+        if ddp:
+            fastest = min(r["step_time_s"] for r in ddp)
+            assert rec["step_time_s"] * (1 + TIE) < fastest
+            margin = round((fastest / rec["step_time_s"] - 1) * 100)
+            assert f"estimated {margin}% faster than DDP" in reason, reason
+        else:
+            assert "DDP does not fit" in reason, reason
+    else:
+        assert ddp
+
+
+def test_mixture_of_experts_shards_all_experts_computes_active_ones(tmp_path, capsys):
+    result, text = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, MIXTRAL_8X7B), "--nodes", "2",
+                        "--seq-len", "1024")
+    model = result["model"]
+    assert 46.5e9 < model["total_params"] < 46.9e9          # Mixtral 8x7B: every expert stored
+    assert 12.7e9 < model["active_params"] < 13.0e9         # 2 of 8 experts per token
+    assert model["num_experts"] == 8 and model["experts_per_token"] == 2
+    dense = 6 * (model["active_params"] - model["vocab_size"] * model["hidden_size"])
+    assert dense < model["flops_per_token"] < dense * 1.1  # compute follows the active experts only
+    full = next(r for r in result["strategies"] if r["sharding_strategy"] == "FULL_SHARD"
+                and not r["activation_checkpointing"] and not r["cpu_offload"])
+    assert full["params_bytes"] == pytest.approx(model["total_params"] * 4 / 16, rel=1e-3)  # sharded: all experts
+
+
+def test_wrap_granularity_advice_for_blocks_far_from_the_unit_range(tmp_path, capsys):
+    result, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, MIXTRAL_8X7B), "--nodes", "2",
+                     "--seq-len", "1024", "--activation-checkpointing", "on")
+    advice = [r for r in result["recommendation"]["reasons"] if r.startswith("Wrap granularity")]
+    assert len(advice) == 1 and "1.45B parameters" in advice[0], advice
+    assert "fsdp.min_num_params=125000000" in advice[0] and "0.2 GB per all-gather" in advice[0]
+    small, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, LLAMA_1B), "--gpu-memory", "16GB")
+    assert not any(r.startswith("Wrap granularity") for r in small["recommendation"]["reasons"])  # 61M blocks

@@ -1,6 +1,7 @@
 """The model: its Hugging Face config (cheap, no weights), the model itself (``from_pretrained`` for a path
-or hub id, ``from_config`` for an inline architecture), and the LightningModule that trains it. Also how
-anything is loaded from the hub (``load_pretrained``; the tokenizer uses it too)."""
+or hub id, ``from_config`` for an inline architecture), with the recipe's PEFT adapters when it asks for them
+(``build_training_model``), and the LightningModule that trains it. Also how anything is loaded from the hub
+(``load_pretrained``; the tokenizer uses it too)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import is_offline_mode
 from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import get_session, validate_repo_id
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from shardlight.adapters import apply_adapters, quantization_config
 from shardlight.build.optimizer import build_optimization
 from shardlight.errors import ShardlightError, first_line
 from shardlight.model import CausalLMModule
@@ -101,21 +104,30 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from None
 
 
-def build_hf_model(cfg: ModelConfig, weights: bool = True,
-                   config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
-    """``from_pretrained`` for a path or hub id, ``from_config`` for an inline config (or ``weights=False``)."""
+def build_hf_model(cfg: ModelConfig, weights: bool = True, config: Optional[PretrainedConfig] = None,
+                   quantization: Optional[Any] = None) -> PreTrainedModel:
+    """``from_pretrained`` for a path or hub id, ``from_config`` for an inline config (or ``weights=False``);
+    ``quantization``: a transformers quantization config for ``from_pretrained`` (QLoRA's 4-bit base)."""
     kwargs: Dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.config is not None or not weights:
         return AutoModelForCausalLM.from_config(config or build_hf_config(cfg), **kwargs)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     return load_pretrained(AutoModelForCausalLM.from_pretrained, cfg.name_or_path, "model.name_or_path", **kwargs)
+
+
+def build_training_model(cfg: RecipeConfig, weights: bool = True) -> nn.Module:
+    """The model a run trains: the HF model (4-bit for ``qlora``), wrapped by peft when ``peft.method`` is set."""
+    model = build_hf_model(cfg.model, weights=weights, quantization=quantization_config(cfg) if weights else None)
+    return apply_adapters(model, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
 
 
 def build_module(cfg: RecipeConfig) -> CausalLMModule:
     """The LightningModule, with the recipe's model and optimizer builders."""
     return CausalLMModule(
         cfg,
-        make_model=partial(build_hf_model, cfg.model),
+        make_model=partial(build_training_model, cfg),
         make_optimization=partial(build_optimization, optim=cfg.optim, max_steps=cfg.trainer.max_steps),
     )

@@ -16,17 +16,29 @@ from shardlight.runtime import RunContext
 
 # Where Lightning's rank_zero_info lands (fabric's name until lightning.pytorch re-points it).
 _LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+# Where ``_init_dist_connection`` logs "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/n" on every rank.
+_LIGHTNING_DIST_LOGGER = "lightning.fabric.utilities.distributed"
+# Info records of Lightning's that tell a user nothing: the litlogger advertisement the Trainer logs on every
+# run without its LitLogger, and the process-group banners (each rank's "Initializing distributed: ..." and
+# rank 0's "distributed_backend=gloo / All distributed processes registered" block), the accelerator inventory
+# ("GPU available: False, used: False", TPU, HPU: the plan line says what the run uses) and the "`Trainer.fit`
+# stopped: `max_steps=N` reached." line (the summary says the steps).
+_CHATTER = ("litlogger", "Initializing distributed:", "All distributed processes registered", "GPU available:",
+            "TPU available:", "HPU available:", "`Trainer.fit` stopped:")
 
 
-def _not_an_advertisement(record: logging.LogRecord) -> bool:
-    """Lightning's Trainer logs a "Tip: ... try installing litlogger" on every run without its LitLogger."""
-    return "litlogger" not in str(record.msg)
+def _not_chatter(record: logging.LogRecord) -> bool:
+    """Drops Lightning's info-level ``_CHATTER``; warnings and errors always pass, whatever they say."""
+    if record.levelno >= logging.WARNING:
+        return True
+    message = str(record.msg)
+    return not any(chatter in message for chatter in _CHATTER)
 
 
 def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
     t = cfg.trainer
-    for name in _LIGHTNING_INFO_LOGGERS:
-        logging.getLogger(name).addFilter(_not_an_advertisement)  # once: a logger keeps a filter only once
+    for name in (*_LIGHTNING_INFO_LOGGERS, _LIGHTNING_DIST_LOGGER):
+        logging.getLogger(name).addFilter(_not_chatter)  # once: a logger keeps a filter only once
     strategy = build_strategy(cfg)
     loggers = build_loggers(cfg, ctx)
     callbacks = build_callbacks(cfg, ctx)

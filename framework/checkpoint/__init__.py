@@ -4,11 +4,14 @@
 - ``resume``: which checkpoint a run resumes from (``resolve_resume``), loading it (``load_sharded``).
 - ``callback``: the Lightning ``CheckpointCallback`` (saves, ``keep_last``, resume) and its builder.
 - ``export``: Hugging Face export, verified, from the live run (``export_live``) or a checkpoint.
+- ``adapter_export``: the same for PEFT runs (adapter dir, merged model); its ``export_live`` and
+  ``export_checkpoint`` are the package's, handing full models on to ``export``'s.
 - ``inspect``: the ``shardlight inspect`` listing, from DCP metadata.
 """
 
+from shardlight.checkpoint.adapter_export import export_checkpoint, export_live
 from shardlight.checkpoint.callback import CheckpointCallback, build_checkpoint_callback, find_callback
-from shardlight.checkpoint.export import export_and_verify, export_checkpoint, export_live
+from shardlight.checkpoint.export import export_and_verify
 from shardlight.checkpoint.inspect import format_inspect, inspect_checkpoint
 from shardlight.checkpoint.resume import find_resume, load_sharded, resolve_resume
 

@@ -5,6 +5,9 @@ so a run killed mid-save leaves the previous checkpoint as the newest complete o
 optimizer go through ``get_state_dict``, which speaks FSDP1, FSDP2 and plain modules alike, so DCP can
 reshard a checkpoint onto a different number of ranks. Besides them each rank saves its loop progress,
 LR schedulers, RNG states and data position (``extra_rank<R>.pt``, read with ``weights_only=True``).
+
+With PEFT adapters on a pretrained base, the model part holds only the trainable weights (adapters and
+``modules_to_save``): the frozen base is referenced by ``shardlight.json``'s ``peft.base_model``, not copied.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from shardlight.adapters import ADAPTER_NAME, base_is_referenced, is_adapter_model
 from shardlight.checkpoint.resume import distributed, load_sharded
 from shardlight.checkpoint.store import (
     CHECKPOINTS,
@@ -77,6 +81,12 @@ def _all_gather(obj: Any) -> List[Any]:
     return out
 
 
+def data_parallel_size(trainer: Any) -> int:
+    """Ranks that read different batches: the world, or world / tp_size with tensor parallelism."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(str(path), os.O_RDONLY)
@@ -109,12 +119,14 @@ class CheckpointCallback(Callback):
 
     def __init__(self, run_dir: Path, every_n_steps: Optional[int], keep_last: Optional[int],
                  save_last: bool = True, resume_from: Optional[Path] = None,
-                 fault_kill_in_save_step: Optional[int] = None) -> None:
+                 fault_kill_in_save_step: Optional[int] = None, frozen_base: Optional[str] = None) -> None:
         self.root = Path(run_dir) / CHECKPOINTS
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.save_last = save_last
         self.resume_from = Path(resume_from) if resume_from else None
+        # The pretrained base a PEFT run's checkpoints reference instead of holding its frozen weights.
+        self.frozen_base = frozen_base
         # Test hook: SIGKILL rank 0 at this step after the shards are written, before the rename.
         self.fault_kill_in_save_step = fault_kill_in_save_step
         self.last_saved_step: Optional[int] = None
@@ -159,12 +171,14 @@ class CheckpointCallback(Callback):
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("shardlight-ckpt-mkdir")
-        model_sd, optim_sd = get_state_dict(trainer.strategy.model, trainer.optimizers)
+        options = StateDictOptions(ignore_frozen_params=self.frozen_base is not None)
+        model_sd, optim_sd = get_state_dict(trainer.strategy.model, trainer.optimizers, options=options)
         dcp.save({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}, checkpoint_id=str(tmp), no_dist=not distributed())
         fit_loop = trainer.fit_loop
         extra = {
             "global_step": step,
             "world_size": trainer.world_size,
+            "dp_size": data_parallel_size(trainer),
             "rank": rank,
             "epoch": fit_loop.epoch_progress.current.processed,
             "batch_in_epoch": fit_loop.epoch_loop.batch_progress.current.ready,
@@ -188,6 +202,12 @@ class CheckpointCallback(Callback):
             meta = {"format": FORMAT, "step": step, "world_size": trainer.world_size,
                     "fsdp_version": getattr(getattr(trainer.strategy, "resolved", None), "version", None),
                     "epoch": extra["epoch"], "batch_in_epoch": extra["batch_in_epoch"], "files": files}
+            dims = getattr(getattr(trainer.strategy, "resolved", None), "parallel", None)
+            if dims is not None:  # for inspect: the mesh the shards were cut on (any mesh can load them)
+                meta["mesh"] = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+            if is_adapter_model(getattr(pl_module, "model", None)):
+                meta["peft"] = {"method": pl_module.cfg.peft.method, "base_model": pl_module.cfg.model.name_or_path,
+                                "base_in_checkpoint": self.frozen_base is None}
             if self.fault_kill_in_save_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             self._commit(tmp, final, meta)
@@ -213,6 +233,8 @@ class CheckpointCallback(Callback):
         model = getattr(pl_module, "model", None)
         if model is not None and hasattr(model, "config"):
             model.config.save_pretrained(str(hf_dir))
+            if is_adapter_model(model):  # what export needs to rebuild the adapters: adapter_config.json
+                model.peft_config[ADAPTER_NAME].save_pretrained(str(hf_dir))
             generation = getattr(model, "generation_config", None)
             if generation is not None:
                 generation.save_pretrained(str(hf_dir))
@@ -236,15 +258,17 @@ class CheckpointCallback(Callback):
             return
         path, rank = self.resume_from, trainer.global_rank
         with _quiet_state_dict_warnings():
-            load_sharded(trainer.strategy.model, trainer.optimizers, path)
+            load_sharded(trainer.strategy.model, trainer.optimizers, path)  # frozen base: see load_sharded
         saved = sorted(path.glob("extra_rank*.pt"), key=lambda p: int(p.stem[len("extra_rank"):]))
         own = path / f"extra_rank{rank}.pt"
         extra = torch.load(own if own.is_file() else saved[0], weights_only=True)
         for config, state in zip(trainer.lr_scheduler_configs, extra["schedulers"]):
             config.scheduler.load_state_dict(state)
         loop_state = extra["fit_loop"]
-        if extra["world_size"] != trainer.world_size:
-            self._rescale_position(loop_state, extra["world_size"], trainer.world_size)
+        # The data position is per data-parallel rank: TP ranks of one group consume one batch together.
+        saved_dp = extra.get("dp_size", extra["world_size"])
+        if saved_dp != data_parallel_size(trainer):
+            self._rescale_position(loop_state, saved_dp, data_parallel_size(trainer))
         trainer.fit_loop.load_state_dict(loop_state)
         if hasattr(pl_module, "tokens_seen"):
             pl_module.tokens_seen = int(extra.get("tokens_seen", 0))
@@ -275,12 +299,13 @@ class CheckpointCallback(Callback):
 def build_checkpoint_callback(cfg: Any, ctx: RunContext) -> Optional[CheckpointCallback]:
     """The recipe's ``checkpoint:`` section and the run's resume decision → the callback (or None)."""
     ck, resume, kill = cfg.checkpoint, ctx.resume_from, ctx.fault_kill_in_save_step
+    frozen_base = cfg.model.name_or_path if base_is_referenced(cfg) else None
     if not ck.enabled:
         # Resuming still works with saving turned off.
         return CheckpointCallback(ctx.run_dir, None, None, save_last=False, resume_from=resume,
-                                  fault_kill_in_save_step=kill) if resume else None
+                                  fault_kill_in_save_step=kill, frozen_base=frozen_base) if resume else None
     return CheckpointCallback(ctx.run_dir, ck.every_n_steps, ck.keep_last, save_last=ck.save_last,
-                              resume_from=resume, fault_kill_in_save_step=kill)
+                              resume_from=resume, fault_kill_in_save_step=kill, frozen_base=frozen_base)
 
 
 def find_callback(trainer: Any) -> Optional[CheckpointCallback]:

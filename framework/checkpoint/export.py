@@ -18,7 +18,7 @@ non-finite value are never exported: one error naming the first such parameter, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, TypedDict
+from typing import Any, Dict, List, Mapping, Optional, TypedDict
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from shardlight.callbacks.peer_failure import peer_failures_reported
 from shardlight.checkpoint.store import (
     HF_DIR,
     MODULE_PREFIX,
@@ -126,12 +127,15 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     strategy = trainer.strategy
     root = strategy.model
     was_training = root.training
-    root.eval()
-    with torch.no_grad():
-        reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
-    root.train(was_training)
-    # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
-    state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else None
+    # The collectives (the sharded forward's all-gathers, the weights' gather) run after fit, outside
+    # Lightning: a dead or hung peer is still one clear line, as during fit.
+    with peer_failures_reported(trainer.global_rank):
+        root.eval()
+        with torch.no_grad():
+            reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
+        root.train(was_training)
+        # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
+        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else None
     if not trainer.is_global_zero:
         return {"model_dir": str(model_dir), "export_max_abs_diff": None}
     report = export_and_verify(state if state is not None else module.state_dict(), config, tokenizer, model_dir,
@@ -152,7 +156,15 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
     if not dtypes:
         raise ShardlightError(f"checkpoint {checkpoint} holds no model weights under '{WEIGHT_PREFIX}'")
     model = AutoModelForCausalLM.from_config(config, dtype=dtypes[0])
-    missing = [n for n, _ in model.named_parameters() if WEIGHT_PREFIX + n not in saved]
+    load_saved_weights(model, checkpoint, saved, [n for n, _ in model.named_parameters()])
+    model.tie_weights()
+    return model.eval()
+
+
+def load_saved_weights(model: torch.nn.Module, checkpoint: Path, saved: Dict[str, Any], wanted: List[str]) -> None:
+    """Read the checkpoint's weights into ``model`` in place (one process, no ranks): every parameter named in
+    ``wanted`` must be saved; whatever else of the model's state the checkpoint holds is read too."""
+    missing = [n for n in wanted if WEIGHT_PREFIX + n not in saved]
     if missing:
         raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {', '.join(missing[:5])}")
     target = {WEIGHT_PREFIX + n: t for n, t in model.state_dict().items() if WEIGHT_PREFIX + n in saved}
@@ -160,8 +172,6 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
         dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
     except Exception as exc:
         raise ShardlightError(f"could not read checkpoint {checkpoint}: {type(exc).__name__}") from None
-    model.tie_weights()
-    return model.eval()
 
 
 @torch.no_grad()

@@ -6,13 +6,14 @@ weights and for the rest (optimizer state).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TypedDict
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardlight.checkpoint.store import WEIGHT_PREFIX, checkpoint_in, read_dcp_metadata, verify_metadata_file
+from shardlight.checkpoint.store import META, WEIGHT_PREFIX, checkpoint_in, read_dcp_metadata, verify_metadata_file
 from shardlight.errors import ShardlightError
 
 
@@ -37,6 +38,7 @@ class Listing(TypedDict):
     model_bytes: int
     other_bytes: int
     total_bytes: int
+    mesh: Optional[Dict[str, int]]  # the (dp_replicate, dp_shard, tp) mesh it was saved on, with TP
 
 
 def _rank_of(file_name: str) -> Optional[int]:
@@ -83,13 +85,17 @@ def inspect_checkpoint(path: Path, include_optimizer: bool = False) -> Listing:
         entries.append({"name": fqn[len(WEIGHT_PREFIX):] if is_weight else fqn, "shape": list(meta.size),
                         "dtype": str(meta.properties.dtype).replace("torch.", ""), "bytes": nbytes, "shards": shards})
     ranks = sorted({r for parts in layout.values() for r in (p["rank"] for p in parts) if r is not None})
+    meta_file = checkpoint / META
+    mesh = json.loads(meta_file.read_text()).get("mesh") if meta_file.is_file() else None
     return {"checkpoint": str(checkpoint), "ranks": ranks, "entries": entries, **totals,
-            "total_bytes": totals["model_bytes"] + totals["other_bytes"]}
+            "total_bytes": totals["model_bytes"] + totals["other_bytes"], "mesh": mesh}
 
 
 def format_inspect(listing: Listing) -> str:
     """The listing as the table ``shardlight inspect`` prints."""
     lines = [f"{listing['checkpoint']}: {len(listing['ranks'])} rank(s) wrote shards"]
+    if listing.get("mesh"):
+        lines[0] += "; mesh " + " x ".join(f"{name} {size}" for name, size in listing["mesh"].items())
     for e in listing["entries"]:
         layout = "  ".join(f"r{s['rank']}:" + ",".join(f"{a}:{b}" for a, b in s["slices"]) for s in e["shards"])
         lines.append(f"{e['name']:<60} {str(tuple(e['shape'])):<16} {e['dtype']:<9} {e['bytes']:>12,d} B  {layout}")

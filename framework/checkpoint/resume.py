@@ -6,6 +6,7 @@ through ``RunContext``. :func:`load_sharded` reads DCP shards onto however many 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
@@ -13,7 +14,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardlight.checkpoint.store import (
     CHECKPOINTS,
@@ -70,8 +71,11 @@ def resolve_resume(cfg: Any) -> Optional[Path]:
 
 
 def load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: Path) -> None:
-    """Model and optimizer from a DCP checkpoint, resharded onto however many ranks run now."""
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    """Model and optimizer from a DCP checkpoint, resharded onto however many ranks run now. A PEFT checkpoint
+    that references its frozen base holds only the trainable weights; the base came with the model build."""
+    referenced = _references_frozen_base(path)
+    options = StateDictOptions(ignore_frozen_params=referenced, strict=not referenced)
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=options)
     state = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not distributed())
@@ -79,4 +83,11 @@ def load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer]
         text = str(exc).strip()
         raise ShardlightError(f"could not load checkpoint {path}: {type(exc).__name__}: "
                               f"{text.splitlines()[0] if text else ''}") from None
-    set_state_dict(model, optimizers, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY])
+    set_state_dict(model, optimizers, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY],
+                   options=options)
+
+
+def _references_frozen_base(path: Path) -> bool:
+    meta_file = Path(path) / META
+    peft = json.loads(meta_file.read_text()).get("peft") if meta_file.is_file() else None
+    return bool(peft) and not peft.get("base_in_checkpoint", True)

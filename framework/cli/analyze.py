@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.trace.analysis import analyze_traces
-from shardlight.trace.report import format_summary, format_table, write_plot
+from shardlight.trace.report import format_split, format_summary, format_table, write_plot
 
 ANALYZE_HELP = "communication vs computation per rank from PyTorch profiler traces (HTA-compatible)"
 ANALYZE_DESCRIPTION = """\
@@ -15,6 +16,11 @@ comes from distributedInfo.rank), and report per rank: communication time, compu
 overlap %, exposed communication, idle time and span, per ProfilerStep and per collective, with
 HTA 0.5.0's definitions. GPU traces: NCCL/RCCL kernels are communication. CPU traces of gloo
 runs: gloo:* annotations are communication, main-thread aten::* ops are computation.
+
+Across ranks, each collective's time is split into WAIT (for the last rank of its group to
+arrive) and TRANSFER (after it arrived), with clock offsets between ranks estimated from the
+collectives' ends; bus bandwidth per collective uses nccl-tests' sizes and factors. Input
+time is torch DataLoader's __next__ on the main thread.
 """
 
 
@@ -33,15 +39,23 @@ def add_parsers(subparsers) -> None:
                         help="draw compute vs overlapped/exposed communication per rank and step")
     parser.add_argument("--include-last-step", action="store_true",
                         help="keep the last ProfilerStep (HTA drops it when a trace has 2 or more)")
+    parser.add_argument("--link-peak-gbps", type=float, metavar="GB/s", default=None,
+                        help="a link's peak bandwidth (GB/s): report bus bandwidth as a share of it")
     parser.set_defaults(func=run_analyze)
 
 
 def run_analyze(args) -> int:
-    analysis = analyze_traces(args.paths, include_last_step=args.include_last_step)
+    if args.link_peak_gbps is not None and not args.link_peak_gbps > 0:
+        raise ShardlightError(f"--link-peak-gbps must be a positive GB/s figure, got {args.link_peak_gbps}")
+    analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
+                              link_peak_gbps=args.link_peak_gbps)
     print(format_table(analysis))
     summary = format_summary(analysis)
     if summary:
         print(summary)
+    split = format_split(analysis)
+    if split:
+        print(split)
     if args.json_out:
         write_json(args.json_out, analysis)
         print(f"wrote {args.json_out}")

@@ -11,8 +11,16 @@ from shardlight.files import write_json
 
 
 def run_export(args: argparse.Namespace) -> int:
-    report = export_checkpoint(Path(args.checkpoint), Path(args.out))
+    report = export_checkpoint(Path(args.checkpoint), Path(args.out), merge=args.merge)
     verdict = "OK" if report["ok"] else "FAILED"
+    if "adapter_dir" in report:  # a PEFT checkpoint: the adapter and, with --merge, the merged model
+        checked = f"adapter max |diff| = {report['adapter_max_abs_diff']:.3g}"
+        if report["merged_dir"]:
+            checked += f", merged max |diff| = {report['merged_max_abs_diff']:.3g}"
+        print(f"exported {report['checkpoint']} -> {report['out']} (adapter/" + (", merged/" if report["merged_dir"]
+              else "") + f"); reload check (fp32 logits, fixed batch): {checked} "
+              f"(tolerance {report['tolerance']:g}): {verdict}")
+        return 0 if report["ok"] else 1
     print(f"exported {report['checkpoint']} -> {report['out']}; reload check (fp32 logits, fixed batch): "
           f"max |diff| = {report['max_abs_diff']:.3g} (tolerance {report['tolerance']:g}): {verdict}")
     return 0 if report["ok"] else 1
@@ -30,9 +38,12 @@ def add_parsers(subparsers: Any) -> None:
     export = subparsers.add_parser(
         "export", help="sharded checkpoint -> Hugging Face save_pretrained dir, verified",
         description="Write save_pretrained safetensors + config + tokenizer from a sharded checkpoint, reload "
-        "them with AutoModelForCausalLM.from_pretrained and compare logits with the checkpoint's model.")
+        "them with AutoModelForCausalLM.from_pretrained and compare logits with the checkpoint's model. A LoRA "
+        "checkpoint gives OUT/adapter (PeftModel.from_pretrained) and, with --merge, OUT/merged.")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoints/step-N dir (or a run dir: its newest)")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA checkpoints: also write OUT/merged, the base with the adapter merged in")
     export.set_defaults(func=run_export)
     inspect = subparsers.add_parser(
         "inspect", help="list the tensors of a sharded checkpoint from its metadata",

@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from shardlight.cli import analyze, checkpoint, launch, planner, train
+from shardlight.cli import analyze, checkpoint, diagnose, launch, planner, train
 from shardlight.errors import ShardlightError
 
 # A new command: one module in shardlight/cli/ and one entry here.
-COMMANDS = (train, analyze, checkpoint, planner, launch)
+COMMANDS = (train, analyze, diagnose, checkpoint, planner, launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

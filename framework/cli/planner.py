@@ -11,32 +11,38 @@ from typing import Any, Optional, Tuple
 from shardlight.build import build_hf_config
 from shardlight.cli.common import add_recipe_items, parse_number, parse_on_off, split_recipe_and_overrides, write_json
 from shardlight.errors import ShardlightError
+from shardlight.planner.measured import StepModel
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.plan import (
     ClusterOptions,
     WorkloadOptions,
     cluster_for,
+    model_from_hf_config,
     plan_for,
     render,
-    spec_from_hf_config,
     spec_from_recipe,
+    step_model_from_recipe,
     workload_for,
 )
 from shardlight.planner.profile import ProfileRequest, profile
 from shardlight.recipe import RecipeConfig, load_recipe
 
 
-def model_from_args(args: argparse.Namespace) -> Tuple[ModelSpec, Optional[RecipeConfig]]:
-    """(model spec, recipe or None) from ``[RECIPE] [key=value ...]`` or ``--hf-config``."""
+def model_from_args(args: argparse.Namespace) -> Tuple[ModelSpec, StepModel, Optional[RecipeConfig]]:
+    """(model spec, what the fake step builds, recipe or None) from ``[RECIPE] [key=value ...]`` or
+    ``--hf-config``. A recipe's config comes from ``build_hf_config``: its inline ``model.config``, else the
+    hub cache / a local path of ``model.name_or_path``."""
     items = list(getattr(args, "items", []) or [])
     hf_config = getattr(args, "hf_config", None)
     if hf_config:
         if items:
             raise ShardlightError("give either a recipe or --hf-config, not both")
-        return spec_from_hf_config(hf_config), None
+        spec, step_model = model_from_hf_config(hf_config)
+        return spec, step_model, None
     recipe, overrides = split_recipe_and_overrides(items)
     cfg = load_recipe(recipe, overrides)
-    return spec_from_recipe(cfg, build_hf_config(cfg.model)), cfg
+    config = build_hf_config(cfg.model)
+    return spec_from_recipe(cfg, config), step_model_from_recipe(cfg, config), cfg
 
 
 def workload_options(args: argparse.Namespace) -> WorkloadOptions:
@@ -45,6 +51,7 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         seq_len=parse_number("--seq-len", args.seq_len),
         accumulate_grad_batches=parse_number("--accumulate", args.accumulate_grad_batches),
         precision=args.precision or None, param_dtype=args.param_dtype or None, optimizer=args.optimizer or None,
+        peft=args.peft or None, lora_r=parse_number("--lora-r", args.lora_r),
     )
 
 
@@ -68,10 +75,11 @@ def restrictions(args: argparse.Namespace) -> Tuple[Optional[bool], Optional[boo
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    spec, cfg = model_from_args(args)
+    spec, step_model, cfg = model_from_args(args)
     work, cluster = workload_options(args), cluster_options(args)
     ckpt, offload = restrictions(args)
-    plan = plan_for(spec, cluster_for(cluster, cfg), workload_for(work, cfg), ckpt, offload)
+    plan = plan_for(spec, cluster_for(cluster, cfg), workload_for(work, cfg), ckpt, offload,
+                    model=None if args.analytic else step_model)
     sys.stdout.write(render(plan) + "\n")
     if args.json:
         write_json(args.json, plan)
@@ -112,6 +120,10 @@ def _cluster_args(parser: argparse.ArgumentParser, for_profile: bool = False) ->
     w.add_argument("--precision", help="32-true, bf16-mixed, bf16-true, 16-mixed")
     w.add_argument("--param-dtype", help="weight storage dtype: float32, bfloat16 (recipe: model.dtype)")
     w.add_argument("--optimizer", help="adamw (default), adam, sgd, adamw8bit")
+    w.add_argument("--peft", metavar="none|lora",
+                   help="lora: adapters on a frozen base (no gradients or optimizer state for it); default: "
+                        "the recipe's peft.method, else none")
+    w.add_argument("--lora-r", metavar="R", help="LoRA rank (default: the recipe's peft.r, else 16)")
     w.add_argument("--activation-checkpointing", metavar="on|off|auto", help="restrict to on or off (default: both)")
     w.add_argument("--cpu-offload", metavar="on|off|auto", help="restrict to on or off (default: both)")
 
@@ -122,10 +134,13 @@ def add_parsers(subparsers: Any) -> None:
         description="Sharding-aware estimate (parameters, gradients, optimizer state, activations, all-gather "
                     "buffers, communication vs compute) for NO_SHARD (DDP), SHARD_GRAD_OP, FULL_SHARD and "
                     "HYBRID_SHARD, x activation checkpointing x CPU offload, and a recommendation with reasons. "
-                    "The model is built on the meta device: no weights, no download.")
+                    "Each peak is measured by one training step of the real model on fake tensors (no weights, "
+                    "no GPU, no download) over a fake process group of the planned world size; --analytic skips it.")
     add_recipe_items(plan)
     plan.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Hugging Face config.json instead of a recipe")
     plan.add_argument("--json", metavar="OUT", help="write the recommendation and every estimate as JSON")
+    plan.add_argument("--analytic", action="store_true",
+                      help="memory from the closed-form model only, without the fake-tensor training steps")
     _cluster_args(plan)
     plan.set_defaults(func=run_plan)
 

@@ -25,6 +25,16 @@ SHARD_GRAD_OP all-gathers once per micro-batch; NO_SHARD all-reduces the gradien
 FULL_SHARD's collectives inside its shard group and all-reduces its gradient shard across replicas.
 Time = bytes ÷ the slowest link the collective crosses (``inter_node_bw`` is per node, shared by its GPUs).
 Compute time = model FLOPs ÷ (peak × MFU), ×4/3 with activation checkpointing (forward recomputed).
+Exposed communication: what exceeds the compute it overlaps (forward gathers behind forward, gradient
+collectives behind backward), plus the first unit's gather and the backward tail: the root unit's gradient
+collective (all-reduce for NO_SHARD, reduce-scatter for the sharded strategies) starts after the last
+backward compute, for DDP and FSDP alike (``backward_tail_s``).
+
+LoRA (``peft``): the frozen base keeps its sharded parameters and is all-gathered as before, but has no
+optimizer state; the rank-r adapters (``ModelSpec.lora_params``) add parameters, gradients and state. FSDP2
+keeps gradients for the trainable parameters only and reduce-scatters just those; FSDP1 (``use_orig_params``,
+frozen and trainable weights in one flat parameter) allocates and reduce-scatters the gradient of the whole
+flat parameter. Backward skips the frozen weights' gradients: 4 N FLOPs per token instead of 6 N.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 from shardlight.errors import ShardlightError
+from shardlight.planner.backward_tail import backward_tail_s
 from shardlight.planner.model_spec import ModelSpec
 
 # The optimizers the planner costs: the recipe's optim.name values, what training builds.
@@ -55,6 +66,7 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 # State per parameter element, in multiples of the storage dtype's bytes (8-bit AdamW: 2 x 1 byte).
 OPTIMIZER_STATES = dict(zip(OPTIMIZERS, (2.0, 2.0, 1.0, 0.5)))
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+PEFT_PLANNED = (None, "lora", "qlora")
 
 
 def parse_memory(text: Any, what: str = "GPU memory") -> float:
@@ -148,6 +160,9 @@ class Workload:
     optimizer: str = "adamw"
     prefetch: int = 1                  # all-gathers in flight ahead of the running unit (BACKWARD_PRE)
     attn_implementation: str = "sdpa"
+    peft: Optional[str] = None         # None: full fine-tuning; lora | qlora: rank-lora_r adapters, base frozen
+    lora_r: int = 16
+    fsdp_version: int = 1
 
     def validate(self) -> None:
         for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches"):
@@ -162,6 +177,12 @@ class Workload:
             raise ShardlightError(f"optimizer '{self.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
         if self.prefetch < 0:
             raise ShardlightError("prefetch must not be negative")
+        if self.peft not in PEFT_PLANNED:
+            raise ShardlightError(f"--peft '{self.peft}' is not one of none, {', '.join(PEFT_PLANNED[1:])}")
+        if not isinstance(self.lora_r, int) or self.lora_r <= 0:
+            raise ShardlightError(f"--lora-r must be a positive integer, got {self.lora_r}")
+        if self.peft == "qlora":
+            raise ShardlightError("the planner does not cost 4-bit bases (qlora) yet; plan with --peft lora")
 
     @property
     def compute_bytes(self) -> int:
@@ -232,6 +253,14 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
     n_local = shard_numels(spec, group, c, sharded and group > 1)
     params, grads = n_local * s, n_local * s
     optim = n_local * s * OPTIMIZER_STATES[work.optimizer]
+    trainable = spec.total_params
+    if work.peft:
+        trainable = spec.lora_params(work.lora_r)
+        adapters = math.ceil(trainable / group) if sharded and group > 1 else trainable
+        params += adapters * s
+        # FSDP1 keeps a gradient for the whole flat parameter, frozen elements included (zeros).
+        grads = (n_local + adapters) * s if work.fsdp_version == 1 else adapters * s
+        optim = adapters * s * OPTIMIZER_STATES[work.optimizer]
     block, root, total_p = spec.block_params, spec.root_params, spec.total_params
     in_flight = 1 + work.prefetch
     if not sharded or group == 1:
@@ -252,6 +281,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
 
     # Communication per optimizer step.
     A, P = work.accumulate_grad_batches, total_p
+    # What the gradient collectives carry: FSDP2 reduces only the trainable gradients under LoRA.
+    G = trainable if work.peft and work.fsdp_version == 2 else total_p
     nodes_spanned = math.ceil(group / cluster.gpus_per_node)
     intra_bw = cluster.intra_node_bw * GB
     inter_bw = cluster.inter_node_bw / cluster.gpus_per_node * GB
@@ -262,21 +293,22 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
     fwd_bytes = bwd_bytes = inter_bytes = 0.0
     collectives = 0
     if strategy in ("FULL_SHARD", "HYBRID_SHARD"):
-        fwd_bytes, bwd_bytes = A * ag, A * ag + ring * P * c
+        fwd_bytes, bwd_bytes = A * ag, A * ag + ring * G * c
         collectives = units * (2 * A + 1)
     elif strategy == "SHARD_GRAD_OP":
-        fwd_bytes, bwd_bytes = A * ag, ring * P * c
+        fwd_bytes, bwd_bytes = A * ag, ring * G * c
         collectives = units * (A + 1)
     if strategy == "NO_SHARD":
         r = (world - 1) / world if world > 1 else 0.0
-        ar_bytes = 2 * r * P * c
+        ar_bytes = 2 * r * G * c
         ar_bw = intra_bw if cluster.nodes == 1 else min(intra_bw, inter_bw)
         bwd_bytes, collectives = ar_bytes, units if world > 1 else 0
         intra_time = ar_bytes / ar_bw
         inter_time = 0.0
     else:
         if strategy == "HYBRID_SHARD" and replicas > 1:
-            inter_bytes = 2 * (replicas - 1) / replicas * n_local * c
+            reduced = math.ceil(G / group) if G != total_p else n_local
+            inter_bytes = 2 * (replicas - 1) / replicas * reduced * c
             collectives += units
         intra_time = (fwd_bytes + bwd_bytes) / group_bw
         inter_time = inter_bytes / inter_bw
@@ -289,11 +321,16 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
 
     tokens = work.tokens_per_micro_batch * A
     flops = spec.flops_per_token(work.seq_len) * tokens
+    if work.peft:
+        flops *= 4 / 6  # no weight gradients for the frozen base (the adapters' are negligible)
     compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu) * (4 / 3 if checkpointing else 1)
     compute_fwd = compute * (0.25 if checkpointing else 1 / 3)
     compute_bwd = compute - compute_fwd
     first_unit = (block * c * ring / group_bw) if sharded and group > 1 else 0.0
-    exposed = max(0.0, comm_fwd - compute_fwd) + max(0.0, comm_bwd - compute_bwd) + first_unit
+    tail = backward_tail_s(spec, cluster, work, strategy, group, group_bw, intra_bw, inter_bw)
+    # The tail runs after the last backward compute, for DDP and FSDP alike: only the rest can overlap.
+    exposed = (max(0.0, comm_fwd - compute_fwd) + max(0.0, comm_bwd - min(tail, comm_bwd) - compute_bwd)
+               + min(tail, comm_bwd) + first_unit)
     offload_time = 0.0
     if cpu_offload:
         gathers = A * (2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1)
@@ -336,6 +373,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
         "tokens_per_step_per_rank": tokens,
         "tokens_per_sec_per_device": tokens / step if step > 0 else None,
         "flops_per_token": spec.flops_per_token(work.seq_len),
+        "trainable_params": trainable,
     }
 
 

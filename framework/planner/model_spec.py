@@ -37,15 +37,35 @@ class ModelSpec:
     gated_mlp: bool = True        # SwiGLU-style (gate + up projections) vs a plain 2-layer MLP
     # Per FSDP unit (blocks then root), the numels of its parameters in flattening order.
     unit_numels: List[List[int]] = field(default_factory=list, repr=False)
+    # Per unit, in_features + out_features summed over the Linear modules LoRA adapts (peft's default targets
+    # for the architecture unless named): a rank-r adapter adds r times this many trainable parameters.
+    lora_widths: List[int] = field(default_factory=list, repr=False)
+    # Mixture of experts: every expert's weights are stored and sharded (in total_params and unit_numels),
+    # but each token runs only experts_per_token of num_experts of them.
+    expert_params: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to."""
+        if not self.num_experts:
+            return self.total_params
+        idle = self.expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.total_params - idle
+
+    def lora_params(self, r: int) -> int:
+        return r * sum(self.lora_widths)
 
     @property
     def largest_unit_params(self) -> int:
         return max(self.block_params, self.root_params)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token (forward + backward): 6 N (N without the input embedding) plus
-        causal attention 6·L·d·S (QK^T and AV, halved for the causal mask, ×3 for backward)."""
-        n = self.total_params - (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+        """Model FLOPs per trained token (forward + backward): 6 N (N: the active parameters, without the
+        input embedding) plus causal attention 6·L·d·S (QK^T and AV, halved for the causal mask, ×3 for
+        backward)."""
+        n = self.active_params - (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
         return 6.0 * n + 6.0 * self.num_layers * self.heads_dim_total * seq_len
 
     @property
@@ -55,7 +75,9 @@ class ModelSpec:
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
         data.pop("unit_numels")
+        data.pop("lora_widths")
         data["largest_unit_params"] = self.largest_unit_params
+        data["active_params"] = self.active_params
         data["num_units"] = len(self.unit_numels)
         return data
 
@@ -87,6 +109,14 @@ def load_hf_config_file(path: str) -> Any:
         raise ShardlightError(f"--hf-config {path}: not a Hugging Face model config (no model_type)")
     spec = dict(raw)
     model_type = spec.pop("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        # transformers' own message lists every known model type: hundreds of names on one line.
+        import transformers
+
+        raise ShardlightError(f"--hf-config {path}: unknown architecture: model_type '{model_type}' is not one "
+                              f"transformers {transformers.__version__} knows")
     try:
         config = AutoConfig.for_model(model_type, **spec)
     except (ValueError, KeyError, TypeError) as exc:
@@ -103,9 +133,23 @@ def _check_positive(config: Any, name: str) -> None:
         raise ShardlightError(f"model config: {name} must be a positive integer, got {value}")
 
 
+def _lora_targets(model_type: str, named: Optional[List[str]]) -> List[str]:
+    if named:
+        return list(named)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return list(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type, []))
+
+
+def _lora_width(module: torch.nn.Module, targets: List[str]) -> int:
+    return sum(m.in_features + m.out_features for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
 def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[List[str]] = None,
-               trust_remote_code: bool = False) -> ModelSpec:
-    """Build ``config`` on the meta device and count what FSDP would wrap (transformer-block units + root)."""
+               trust_remote_code: bool = False, lora_targets: Optional[List[str]] = None) -> ModelSpec:
+    """Build ``config`` on the meta device and count what FSDP would wrap (transformer-block units + root);
+    ``lora_targets``: the module names LoRA would adapt (null: peft's default for the architecture)."""
     from transformers import AutoModelForCausalLM
 
     if not _is_causal_lm(config):
@@ -133,11 +177,17 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
         unit_numels.append(numels)
     root = [p.numel() for p in _unique(model.parameters()) if id(p) not in block_ids]
     unit_numels.append(root)
+    targets = _lora_targets(config.model_type, lora_targets)
+    lora_widths = [_lora_width(block, targets) for block in blocks]
+    lora_widths.append(_lora_width(model, targets) - sum(lora_widths))
     total = sum(sum(u) for u in unit_numels)
     inter = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
                 or 4 * config.hidden_size)
     wide = [m for m in (blocks[0].modules() if blocks else []) if getattr(m, "out_features", None) == inter
             or getattr(m, "nf", None) == inter]
+    experts, per_token = _expert_counts(config)
+    expert_params = sum(p.numel() for block in blocks for name, p in block.named_parameters()
+                        if experts and _is_routed_expert(name))
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
@@ -160,7 +210,28 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         gated_mlp=len(wide) >= 2,
         unit_numels=unit_numels,
+        lora_widths=lora_widths,
+        expert_params=expert_params,
+        num_experts=experts if expert_params else 0,
+        experts_per_token=per_token if expert_params else 0,
     )
+
+
+def _expert_counts(config: Any) -> tuple:
+    """(routed experts, experts per token) from the config's names for them (Mixtral, Qwen-MoE, DeepSeek,
+    OLMoE, ...); (0, 0) for a dense model."""
+    experts = next((getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(getattr(config, k, None), int)), 0)
+    per_token = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None) or 0
+    if experts and not 0 < per_token <= experts:
+        raise ShardlightError(f"model config: num_experts_per_tok must be in 1..{experts}, got {per_token}")
+    return int(experts), int(per_token)
+
+
+def _is_routed_expert(name: str) -> bool:
+    # ``mlp.experts.*`` (the routed experts); a ``shared_expert(s)`` runs for every token.
+    parts = name.split(".")
+    return "experts" in parts and not any(p.startswith("shared_expert") for p in parts)
 
 
 def _unique(params):

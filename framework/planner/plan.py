@@ -11,10 +11,11 @@ pass it (``shardlight.build.build_hf_config(cfg.model)``) to ``spec_from_recipe`
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
 from shardlight.planner.estimate import Cluster, Workload, estimate_all, make_cluster
+from shardlight.planner.measured import StepModel, measure_rows
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
 from shardlight.recipe import RecipeConfig
@@ -47,30 +48,40 @@ class WorkloadOptions:
     precision: Optional[str] = None
     param_dtype: Optional[str] = None
     optimizer: Optional[str] = None        # one of estimate.OPTIMIZERS
+    peft: Optional[str] = None             # "none" (full fine-tuning), "lora" or "qlora"
+    lora_r: Optional[int] = None
 
 
-def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload) -> Dict[str, Any]:
-    """Every configuration's estimate and the recommendation among all of them."""
+def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional[StepModel] = None) -> Dict[str, Any]:
+    """Every configuration's estimate and the recommendation among all of them; with ``model``, each peak
+    is measured by a fake-tensor training step (``measured.measure_rows``), else analytic."""
     work.validate()
     if spec.max_positions and work.seq_len > spec.max_positions:
         raise ShardlightError(f"seq_len {work.seq_len} exceeds the model's maximum positions ({spec.max_positions})")
     rows = estimate_all(spec, cluster, work)
-    model = spec.to_json()
-    model["flops_per_token"] = spec.flops_per_token(work.seq_len)
+    if model is not None:
+        memory = measure_rows(rows, model, cluster, work)
+    else:
+        memory = {"source": "analytic", "reason": "asked for (--analytic)"}
+    described = spec.to_json()
+    described["flops_per_token"] = spec.flops_per_token(work.seq_len)
+    described["compute_bytes"] = work.compute_bytes
     return {
-        "recommendation": recommend(rows, cluster, model),
+        "recommendation": recommend(rows, cluster, described),
         "strategies": rows,
-        "model": model,
+        "memory": memory,
+        "model": described,
         "cluster": cluster.to_json(),
         "workload": dict(vars(work)),
     }
 
 
 def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: Optional[bool] = None,
-             restrict_offload: Optional[bool] = None) -> Dict[str, Any]:
-    """``make_plan``, then (when ``restrict_ckpt``/``restrict_offload`` is not None) only the configurations
-    with that activation checkpointing / CPU offload, the recommendation chosen among them."""
-    plan = make_plan(spec, cluster, work)
+             restrict_offload: Optional[bool] = None, model: Optional[StepModel] = None) -> Dict[str, Any]:
+    """``make_plan`` (memory measured by fake steps of ``model`` when given, else analytic), then (when
+    ``restrict_ckpt``/``restrict_offload`` is not None) only the configurations with that activation
+    checkpointing / CPU offload, the recommendation chosen among them."""
+    plan = make_plan(spec, cluster, work, model)
     if restrict_ckpt is None and restrict_offload is None:
         return plan
     rows = [r for r in plan["strategies"] if (restrict_ckpt is None or r["activation_checkpointing"] == restrict_ckpt)
@@ -99,7 +110,7 @@ def workload_for(options: WorkloadOptions, cfg: Optional[RecipeConfig] = None) -
     for field in fields(options):
         value = getattr(options, field.name)
         if value is not None:
-            setattr(work, field.name, value)
+            setattr(work, field.name, None if (field.name, value) == ("peft", "none") else value)
     return work
 
 
@@ -108,12 +119,19 @@ def spec_from_recipe(cfg: RecipeConfig, hf_config: Any) -> ModelSpec:
     (``shardlight.build.build_hf_config(cfg.model)``)."""
     classes = cfg.fsdp.transformer_cls_names_to_wrap
     spec = model_spec(hf_config, name=cfg.name, block_classes=list(classes) if classes else None,
-                      trust_remote_code=cfg.model.trust_remote_code)
+                      trust_remote_code=cfg.model.trust_remote_code, lora_targets=cfg.peft.target_modules)
     if cfg.fsdp.auto_wrap_policy == "NO_WRAP":
         # One unit: the whole model is gathered at once (SIZE_BASED_WRAP is approximated by the blocks).
         spec.unit_numels = [[n for unit in spec.unit_numels for n in unit]]
         spec.root_params, spec.block_params = spec.total_params, 0
     return spec
+
+
+def step_model_from_recipe(cfg: RecipeConfig, hf_config: Any) -> StepModel:
+    """What the fake step builds for this recipe: its config, wrapped as ``cfg.fsdp`` wraps it."""
+    classes = cfg.fsdp.transformer_cls_names_to_wrap
+    return StepModel(hf_config, block_classes=list(classes) if classes else None,
+                     wrap_blocks=cfg.fsdp.auto_wrap_policy != "NO_WRAP", trust_remote_code=cfg.model.trust_remote_code)
 
 
 def workload_from_recipe(cfg: RecipeConfig) -> Workload:
@@ -122,7 +140,8 @@ def workload_from_recipe(cfg: RecipeConfig) -> Workload:
     work = Workload(micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     accumulate_grad_batches=t.accumulate_grad_batches, precision=t.precision,
                     param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa",
-                    optimizer=cfg.optim.name)
+                    optimizer=cfg.optim.name, peft=cfg.peft.method, lora_r=cfg.peft.r,
+                    fsdp_version=cfg.fsdp.fsdp_version)
     if cfg.fsdp.backward_prefetch == "NO_PREFETCH":
         work.prefetch = 0
     return work
@@ -130,8 +149,22 @@ def workload_from_recipe(cfg: RecipeConfig) -> Workload:
 
 def spec_from_hf_config(path: str, block_classes: Optional[List[str]] = None) -> ModelSpec:
     """A standard Hugging Face ``config.json`` (or the folder holding it) → ``ModelSpec``."""
+    return model_from_hf_config(path, block_classes)[0]
+
+
+def model_from_hf_config(path: str, block_classes: Optional[List[str]] = None) -> Tuple[ModelSpec, StepModel]:
+    """A standard Hugging Face ``config.json`` (or the folder holding it) → (``ModelSpec``, ``StepModel``)."""
     config = load_hf_config_file(path)
-    return model_spec(config, name=getattr(config, "_name_or_path", None) or path, block_classes=block_classes)
+    spec = model_spec(config, name=getattr(config, "_name_or_path", None) or path, block_classes=block_classes)
+    return spec, StepModel(config, block_classes=block_classes)
+
+
+def memory_line(memory: Dict[str, Any]) -> str:
+    if memory.get("source") == "fake-step":
+        return (f"memory: measured, one fake-tensor training step per configuration ({memory['steps']} steps on a "
+                f"fake {memory['world_size']}-rank process group, {memory['seconds']:.1f} s); 'analytic' is the "
+                f"closed-form model, 'diff' the measured peak against it")
+    return f"memory: analytic model ({memory.get('reason', 'no model config to run')})"
 
 
 def render(plan: Dict[str, Any]) -> str:
@@ -147,7 +180,10 @@ def render(plan: Dict[str, Any]) -> str:
         f"inter {cluster['inter_node']} {cluster['inter_node_bw']:g} GB/s/node, "
         f"{cluster['peak_tflops']:g} TFLOP/s peak at {cluster['mfu']:.0%} MFU",
         f"workload: micro-batch {work['micro_batch_size']} x seq {work['seq_len']} x accumulate "
-        f"{work['accumulate_grad_batches']}, {work['precision']}, weights {work['param_dtype']}, {work['optimizer']}",
+        f"{work['accumulate_grad_batches']}, {work['precision']}, weights {work['param_dtype']}, {work['optimizer']}"
+        + (f", {work['peft']} r={work['lora_r']} ({plan['strategies'][0]['trainable_params']:,} trainable params, "
+           f"base frozen; FSDP{work['fsdp_version']})" if work.get("peft") else ""),
+        memory_line(plan.get("memory", {})),
         "",
         format_table(plan["strategies"]),
         "",

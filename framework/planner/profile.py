@@ -6,7 +6,9 @@ the comm/memory/throughput callbacks. The 1-device baseline runs first (when the
 on one device); its tokens/s/device is written to ``baseline.json``, the file
 ``callbacks.throughput.baseline_file`` reads, and handed to the strategy runs. The report
 (``profile_report.md``, ``profile.json``, PNG plots, a W&B table; ``report``) reads each run's
-``csv/metrics.csv``. Parsing the command line is ``shardlight.cli.planner``'s job, not this module's.
+``csv/metrics.csv``. Every strategy run's latest profiling window gets the same verdict ``shardlight diagnose``
+gives (``shardlight.diagnosis``, with the plan's alternatives for that strategy), its report in
+``diagnosis/<strategy>/``. Parsing the command line is ``shardlight.cli.planner``'s job, not this module's.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from shardlight.diagnosis import write_report
+from shardlight.diagnosis.run_inputs import load_run_inputs
 from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.planner import report
+from shardlight.planner.alternatives import alternatives_from_plan
 from shardlight.planner.estimate import GB, STRATEGIES, make_cluster
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.plan import (
@@ -32,7 +37,7 @@ from shardlight.planner.plan import (
     workload_from_recipe,
 )
 from shardlight.planner.recommend import choose, find_row
-from shardlight.planner.runs import COMPARED, measure, run_one
+from shardlight.planner.runs import COMPARED, measure, read_metrics, run_one
 from shardlight.recipe import ModelConfig, RecipeConfig, load_recipe
 
 DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
@@ -117,9 +122,24 @@ def run_baseline(request: ProfileRequest, cfg: RecipeConfig, spec: ModelSpec, ck
     return result
 
 
+def diagnose_run(result: Dict[str, Any], alternatives: List[Dict[str, Any]], out: Path) -> Optional[Dict[str, Any]]:
+    """The run's latest profiled window diagnosed as ``shardlight diagnose`` does, its report in ``out``; None when
+    the run did not finish, ``{"error"}`` when its window cannot be diagnosed (a note, not a failed sweep)."""
+    if "summary" not in result:
+        return None
+    run_dir = Path(result["summary"]["run_dir"])
+    try:
+        inputs = load_run_inputs(run_dir, metrics=read_metrics(run_dir))
+        diagnosis = inputs.diagnosis(alternatives=alternatives)
+        path = write_report(out, diagnosis, inputs.analysis, memory=inputs.memory, throughput=inputs.throughput)
+    except ShardlightError as exc:
+        return {"error": str(exc)}
+    return {**diagnosis.to_dict(), "report": str(path), "window_step": inputs.window_step}
+
+
 def run_strategy(request: ProfileRequest, strategy: str, world: int, plan_row: Optional[Dict[str, Any]],
                  common: List[str], out: Path, baseline_file: Optional[Path],
-                 baseline_tps: Optional[float]) -> Dict[str, Any]:
+                 baseline_tps: Optional[float], alternatives: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     """One strategy's run, its measured numbers next to the plan's row for it (``plan_row``)."""
     extra = [f"fsdp.sharding_strategy={strategy}", f"name=profile-{strategy.lower()}"]
     if baseline_file is not None:
@@ -136,6 +156,9 @@ def run_strategy(request: ProfileRequest, strategy: str, world: int, plan_row: O
         got = result.get("measured", {})
         result["relative_error"] = {k: relative_error(plan_row[f"{k}_bytes"], got.get(f"{k}_bytes"))
                                     for k in COMPARED}
+    diagnosis = diagnose_run(result, alternatives or [], out / "diagnosis" / strategy.lower())
+    if diagnosis is not None:
+        result["diagnosis"] = diagnosis
     return result
 
 
@@ -203,8 +226,10 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
                 write_json(baseline_file, {"tokens_per_sec_per_device": baseline_tps, "world_size": 1,
                                                   "recipe": cfg.name, "steps": steps, "source": "shardlight profile"})
     for strategy in strategies:
+        alternatives = alternatives_from_plan(plan, strategy=strategy, activation_checkpointing=ckpt,
+                                              cpu_offload=offload)
         runs[strategy] = run_strategy(request, strategy, world, find_row(plan["strategies"], strategy, ckpt, offload),
-                                      common, out, baseline_file if baseline_tps else None, baseline_tps)
+                                      common, out, baseline_file if baseline_tps else None, baseline_tps, alternatives)
 
     best, predicted, notes = compare(plan, runs, strategies, ckpt, offload, request.cluster.gpu_memory)
     result = {

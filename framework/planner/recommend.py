@@ -10,6 +10,10 @@ from typing import Any, Dict, List, Optional
 from shardlight.planner.estimate import GB, Cluster
 
 TIE = 0.03
+# Parameters per FSDP unit that keep all-gathers big enough to reach bus bandwidth yet small enough to
+# overlap with one unit's compute and to bound the unsharded buffers (for models of LARGE_MODEL and up).
+UNIT_RANGE = (50e6, 200e6)
+LARGE_MODEL = 1e9
 SIMPLICITY = {"NO_SHARD": 0, "SHARD_GRAD_OP": 1, "HYBRID_SHARD": 2, "FULL_SHARD": 3}
 
 
@@ -58,6 +62,45 @@ def choose(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     return min(near, key=_rank_key)
 
 
+def why_not_ddp(rows: List[Dict[str, Any]], best: Dict[str, Any]) -> str:
+    """Why ``choose`` did not take DDP, in the terms of its rule (fits, then fastest, near-ties to the simpler)."""
+    ddp = [r for r in rows if r["sharding_strategy"] == "NO_SHARD"]
+    fitting = [r for r in ddp if r["fits"]]
+    if not ddp:
+        return "DDP (NO_SHARD) is not among the configurations planned"
+    if not fitting:
+        least = min(ddp, key=lambda r: r["peak_bytes"])
+        return (f"DDP does not fit: replicated weights, gradients and optimizer state with the activations need "
+                f"{gb(least['peak_bytes'])} per GPU ({label(least)})")
+    fastest = min(fitting, key=lambda r: r["step_time_s"])
+    margin = fastest["step_time_s"] / best["step_time_s"] - 1
+    return (f"it is estimated {margin:.0%} faster than DDP ({ms(best['step_time_s'])} vs "
+            f"{ms(fastest['step_time_s'])} per step), more than the {TIE:.0%} within which the simpler strategy wins")
+
+
+def wrap_advice(model: Dict[str, Any], strategy: str) -> Optional[str]:
+    """A unit size to wrap at when a large sharded model's blocks are far from ``UNIT_RANGE``, with the
+    per-unit all-gather each implies; None when the blocks are fine (or nothing is gathered)."""
+    block, c = model.get("block_params") or 0, model.get("compute_bytes", 2)
+    low, high = UNIT_RANGE
+    # "Far from" the range: more than a factor of two outside it; near misses are not worth a re-wrap.
+    if strategy == "NO_SHARD" or model["total_params"] < LARGE_MODEL or not block or low / 2 <= block <= 2 * high:
+        return None
+    now = (f"each unit is one {model['block_class']} of {params(block)} parameters, a {gb(block * c)} all-gather "
+           f"per unit")
+    if block < low:
+        per_unit = -(-int(low) // int(block))  # blocks per unit to reach the range's lower end
+        return (f"Wrap granularity: {now}, below the {params(low)}-{params(high)} that keeps gathers efficient. "
+                f"Group about {per_unit} blocks per unit (fsdp.auto_wrap_policy=SIZE_BASED_WRAP "
+                f"fsdp.min_num_params={per_unit * block}): {gb(per_unit * block * c)} per all-gather, "
+                f"{-(-model['num_blocks'] // per_unit)} units.")
+    target = int((low + high) / 2)
+    return (f"Wrap granularity: {now}, above the {params(low)}-{params(high)} that overlaps with one unit's "
+            f"compute and bounds the unsharded buffers. Wrap the block's submodules instead "
+            f"(fsdp.auto_wrap_policy=SIZE_BASED_WRAP fsdp.min_num_params={target}): about {gb(target * c)} per "
+            f"all-gather, {-(-block // target)} units per block.")
+
+
 def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any],
               context: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     """``{"sharding_strategy", "activation_checkpointing", "cpu_offload", "mesh_shape", "fits", "reasons"}``,
@@ -88,10 +131,9 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
         reasons.append("Model + gradients + optimizer state fit on one GPU with the activations: plain data "
                        "parallelism (NO_SHARD, i.e. DDP) — one gradient all-reduce per step, no parameter gathers.")
     elif name == "SHARD_GRAD_OP":
-        why = ("replicated optimizer state does not fit" if ddp is None or not ddp["fits"]
-               else "it is as fast as DDP within the estimate's tolerance")
-        reasons.append(f"SHARD_GRAD_OP (ZeRO-2): {why}; the weights do fit, so parameters are gathered once per "
-                       f"micro-batch and kept through backward ({gb(best['gather_buffer_bytes'])} unsharded).")
+        reasons.append(f"SHARD_GRAD_OP (ZeRO-2): {why_not_ddp(rows, best)}; the weights do fit, so parameters are "
+                       f"gathered once per micro-batch and kept through backward "
+                       f"({gb(best['gather_buffer_bytes'])} unsharded).")
     elif name == "FULL_SHARD":
         sgo = find_row(every, "SHARD_GRAD_OP", best["activation_checkpointing"], best["cpu_offload"])
         if sgo is not None and not sgo["fits"]:
@@ -99,7 +141,7 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
                            f"(SHARD_GRAD_OP would need {gb(sgo['peak_bytes'])} per GPU); FULL_SHARD gathers one "
                            f"block at a time and frees it after use.")
         else:
-            reasons.append("FULL_SHARD: fastest configuration that fits by the estimate.")
+            reasons.append(f"FULL_SHARD: fastest configuration that fits by the estimate; {why_not_ddp(rows, best)}.")
     else:
         reasons.append(
             f"HYBRID_SHARD with mesh {best['replicas']} replicas x {best['shard_group_size']} GPUs: parameter "
@@ -149,6 +191,9 @@ def recommend(rows: List[Dict[str, Any]], cluster: Cluster, model: Dict[str, Any
     else:
         reasons.append(f"Compute-bound: {ms(comm)} of collectives can hide behind {ms(compute)} "
                        f"of compute per step over {link}.")
+    advice = wrap_advice(model, name)
+    if advice:
+        reasons.append(advice)
     if cluster.nodes > 1 and name != "HYBRID_SHARD":
         hybrids = [r for r in rows if r["sharding_strategy"] == "HYBRID_SHARD" and r["fits"]]
         if hybrids:
@@ -173,14 +218,20 @@ def _result(row: Dict[str, Any], fits: bool, reasons: List[str]) -> Dict[str, An
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
-    header = ("configuration", "params", "grads", "optim", "gather", "activ", "peak", "headroom", "fits",
-              "comm ms", "compute ms", "step ms", "bound")
+    measured = any(r.get("memory_source") == "fake-step" for r in rows)
+    header = ("configuration", "params", "grads", "optim", "gather", "activ", "peak", *(
+        ("analytic", "diff") if measured else ()), "headroom", "fits", "comm ms", "compute ms", "step ms", "bound")
     lines = [header]
     for r in rows:
+        activ = r["measured_activation_bytes"] if measured else r["activation_bytes"] + r["logits_bytes"]
+        versus = ()
+        if measured:
+            analytic = r["analytic_peak_bytes"]
+            versus = (f"{analytic / GB:.2f}", f"{(analytic - r['peak_bytes']) / r['peak_bytes']:+.1%}")
         lines.append((
             label(r), f"{r['params_bytes'] / GB:.2f}", f"{r['grads_bytes'] / GB:.2f}", f"{r['optim_bytes'] / GB:.2f}",
             f"{(r['gather_buffer_bytes'] + r['grad_buffer_bytes']) / GB:.2f}",
-            f"{(r['activation_bytes'] + r['logits_bytes']) / GB:.2f}", f"{r['peak_bytes'] / GB:.2f}",
+            f"{activ / GB:.2f}", f"{r['peak_bytes'] / GB:.2f}", *versus,
             f"{r['headroom_bytes'] / GB:.2f}", "yes" if r["fits"] else "no",
             f"{r['comm_time_s'] * 1e3:.1f}", f"{r['compute_time_s'] * 1e3:.1f}", f"{r['step_time_s'] * 1e3:.1f}",
             r["bound"]))
@@ -188,4 +239,6 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     out = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
            for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out) + "\n(GB per rank; gather = unsharded parameter + gradient buffers)"
+    note = ("; activ and peak measured by the fake step, params/grads/optim/gather analytic (where the bytes go), "
+            "diff = analytic vs measured peak" if measured else "")
+    return "\n".join(out) + f"\n(GB per rank; gather = unsharded parameter + gradient buffers{note})"

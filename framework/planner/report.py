@@ -15,7 +15,7 @@ from shardlight.planner.estimate import GB
 
 COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
            "comm_overlapped_ms", "comm_exposed_ms", "peak_gb", "params_gb", "grads_gb", "optim_gb",
-           "pred_params_gb", "pred_grads_gb", "pred_optim_gb", "pred_peak_gb", "pred_bound"]
+           "pred_params_gb", "pred_grads_gb", "pred_optim_gb", "pred_peak_gb", "pred_bound", "verdict"]
 
 
 def table_rows(result: Dict[str, Any]) -> List[List[Any]]:
@@ -30,7 +30,7 @@ def table_rows(result: Dict[str, Any]) -> List[List[Any]]:
                      m.get("compute_ms"), m.get("comm_overlapped_ms"), m.get("comm_exposed_ms"), m.get("peak_gb"),
                      gbv(m, "params_bytes"), gbv(m, "grads_bytes"), gbv(m, "optim_bytes"),
                      gbv(p, "params_bytes"), gbv(p, "grads_bytes"), gbv(p, "optim_bytes"), gbv(p, "peak_bytes"),
-                     p.get("bound")])
+                     p.get("bound"), (run.get("diagnosis") or {}).get("verdict")])
     return rows
 
 
@@ -131,6 +131,24 @@ def log_wandb_table(result: Dict[str, Any], out: Path, mode: Optional[str]) -> O
         return None
 
 
+def diagnosis_lines(result: Dict[str, Any], out: Path) -> List[str]:
+    """Each strategy run's verdict (``shardlight.diagnosis``, one table for all), its top action and its report."""
+    diagnosed = {k: v["diagnosis"] for k, v in result["runs"].items() if v.get("diagnosis")}
+    if not diagnosed:
+        return []
+    lines = ["## Diagnosis per strategy (the same verdict table as `shardlight diagnose`)", ""]
+    for name, d in diagnosed.items():
+        if "error" in d:
+            lines.append(f"- **{name}**: no diagnosis ({d['error']})")
+            continue
+        report = os.path.relpath(d["report"], out) if d.get("report") else None
+        lines.append(f"- **{name}**: {d['headline']}" + (f" ([report]({report}))" if report else ""))
+        if d.get("actions"):
+            top = d["actions"][0]
+            lines.append(f"  - try: {top['text']} — *{top['effect']}*")
+    return lines + [""]
+
+
 def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
                  wandb_mode: Optional[str] = None) -> None:
     """``out/profile_report.md`` with the plots and, when enabled, the W&B table."""
@@ -150,6 +168,7 @@ def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
     lines += ["", "Measured `params/grads/optim` are the exact local shard bytes (memory callback, max over ranks); "
               "predicted ones come from `shardlight plan`. Peak on CPU is the process RSS (includes the Python/torch "
               "runtime), on GPU `max_memory_allocated`; the planned peak counts tensors only.", ""]
+    lines += diagnosis_lines(result, out)
     failed = {k: v for k, v in result["runs"].items() if "error" in v}
     if failed:
         lines += ["## Failed runs", ""] + [f"- {k}: {v['error']} (log: `{v['log']}`)" for k, v in failed.items()] + [""]

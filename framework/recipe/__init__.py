@@ -14,6 +14,8 @@ from shardlight.recipe.schema import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    ParallelismConfig,
+    PeftConfig,
     RecipeConfig,
     TokenizerConfig,
     TrainerConfig,
@@ -23,6 +25,7 @@ from shardlight.recipe.validate import get_key, validate
 
 __all__ = [
     "DEFAULT_RECIPE", "RECIPES_DIR", "load_recipe", "to_dict", "to_yaml", "validate", "get_key",
-    "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "TrainerConfig", "FSDPConfig",
+    "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "PeftConfig", "TrainerConfig",
+    "FSDPConfig", "ParallelismConfig",
     "LoggingConfig", "WandbConfig", "CallbacksConfig", "CheckpointConfig", "LaunchConfig",
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Dict, List, Optional
 
 from shardlight.callbacks import REGISTRY as CALLBACKS
+from shardlight.diagnosis import Config as DiagnosisConfig
 
 
 @dataclass
@@ -271,6 +272,40 @@ class FSDPConfig:
     )
 
 
+# Module-level tensor-parallel styles a recipe plan may name (shardlight.strategy.tensor_parallel maps them to
+# torch.distributed.tensor.parallel styles; the names are transformers' tp-plan strings).
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output")
+
+
+@dataclass
+class ParallelismConfig:
+    """The device mesh (dp_replicate, dp_shard, tp), Accelerate's ParallelismConfig names. With tp_size 1 and
+    both dp sizes null the mesh is the fsdp: section's, as without this section."""
+
+    tp_size: int = field(
+        default=1, metadata={"positive": True, "help": "Tensor-parallel degree (innermost mesh dim, inside a node)."}
+    )
+    dp_replicate_size: Optional[int] = field(
+        default=None,
+        metadata={"positive": True,
+                  "help": "HSDP replicas with tp_size > 1 (null: num_nodes for HYBRID_SHARD, else 1)."},
+    )
+    dp_shard_size: Optional[int] = field(
+        default=None, metadata={"positive": True, "help": "FSDP shard group size (null: world / (replicate x tp))."}
+    )
+    cp_size: Optional[int] = field(
+        default=None, metadata={"positive": True, "help": "Context parallelism: reserved, not supported yet."}
+    )
+    tp_plan: Optional[Dict[str, str]] = field(
+        default=None,
+        metadata={"help": "{module glob: style} over the HF model's module names, styles: "
+                          f"{', '.join(TP_STYLES)} (null: the model's base_model_tp_plan)."},
+    )
+    allow_cross_node_tp: bool = field(
+        default=False, metadata={"help": "Allow tp_size above trainer.devices (TP collectives across nodes)."}
+    )
+
+
 @dataclass
 class WandbConfig:
     enabled: bool = field(default=True, metadata={"help": "Log to Weights & Biases."})
@@ -301,6 +336,30 @@ CallbacksConfig = make_dataclass(
     [(name, module.Config, field(default_factory=module.Config)) for name, module in CALLBACKS.items()],
     namespace={"__module__": __name__, "__doc__": "One section per callback in shardlight.callbacks.REGISTRY."},
 )
+
+
+# The adapter methods training builds (shardlight.adapters); qlora loads the base in 4 bits (bitsandbytes, GPU).
+PEFT_METHODS = (None, "lora", "qlora")
+
+
+@dataclass
+class PeftConfig:
+    method: Optional[str] = field(
+        default=None,
+        metadata={"allowed": PEFT_METHODS,
+                  "help": "null: full fine-tuning; lora: LoRA adapters (peft); qlora: LoRA on a 4-bit base (GPU)."},
+    )
+    r: int = field(default=16, metadata={"positive": True, "help": "LoRA rank."})
+    alpha: float = field(
+        default=32, metadata={"positive": True, "help": "LoRA alpha (the update is scaled by alpha / r)."}
+    )
+    dropout: float = field(default=0.05, metadata={"fraction": True, "help": "Dropout on the LoRA input."})
+    target_modules: Optional[List[str]] = field(
+        default=None, metadata={"help": "Module names to adapt (null: peft's default for the architecture)."}
+    )
+    modules_to_save: List[str] = field(
+        default_factory=list, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
+    )
 
 
 @dataclass
@@ -334,8 +393,12 @@ class RecipeConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    # Owned by shardlight.diagnosis (its thresholds), like each callback's section.
+    diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     resume: Optional[str] = field(

@@ -9,7 +9,7 @@ import typing
 from typing import Any, Iterator, Optional, Tuple
 
 from shardlight.errors import ShardlightError
-from shardlight.recipe.schema import RecipeConfig
+from shardlight.recipe.schema import TP_STYLES, RecipeConfig
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -97,3 +97,30 @@ def validate(cfg: RecipeConfig) -> None:
         )
     if cfg.data.format == "instruction" and "{prompt}" not in cfg.data.prompt_template:
         raise ShardlightError("data.prompt_template must contain {prompt}")
+    _check_peft(cfg)
+    _check_parallelism(cfg)
+
+
+def _check_peft(cfg: RecipeConfig) -> None:
+    """Adapters leave frozen and trainable parameters in one FSDP unit; FSDP1 can only flatten such a unit
+    while keeping the original parameters visible (FSDP2 shards each parameter on its own)."""
+    if cfg.peft.method is None:
+        return
+    if cfg.fsdp.fsdp_version == 1 and cfg.fsdp.use_orig_params is False:
+        raise ShardlightError(
+            f"peft.method {cfg.peft.method} with fsdp_version 1 needs fsdp.use_orig_params: true (each FSDP unit "
+            "holds frozen base and trainable adapter weights); set it to true (or null), or use fsdp_version: 2")
+    if cfg.peft.target_modules is not None and not cfg.peft.target_modules:
+        raise ShardlightError("peft.target_modules is empty; name modules to adapt, or null for peft's default")
+
+
+def _check_parallelism(cfg: RecipeConfig) -> None:
+    """The recipe-only rules of the ``parallelism:`` section (the mesh against the world and the model's shapes
+    are checked by the strategy's resolution and by preflight)."""
+    p = cfg.parallelism
+    if p.cp_size not in (None, 1):
+        raise ShardlightError(f"parallelism.cp_size {p.cp_size}: context parallelism is not supported yet; remove it")
+    for pattern, style in (p.tp_plan or {}).items():
+        if style not in TP_STYLES:
+            raise ShardlightError(
+                f"parallelism.tp_plan.{pattern}: '{style}' is not allowed; allowed values: {', '.join(TP_STYLES)}")

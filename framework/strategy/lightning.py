@@ -123,6 +123,15 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         else:
             self._mesh = fsdp1_mesh(self.resolved, device_type)
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        # With tensor parallelism the ranks of one TP group must see the same batch: shard by the DP rank.
+        dims = self.resolved.parallel
+        if dims is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank(self.global_rank)}
+
     # ------------------------------------------------------------------ wrapping
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:

@@ -13,13 +13,14 @@ in ``ResolvedFSDP``, and its use in ``fsdp1`` / ``fsdp2``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe import FSDPConfig, RecipeConfig
+from shardlight.strategy.tensor_parallel import ParallelDims, resolve_parallel_dims
 
 # FSDP1 sharding strategy → FSDP2 (reshard_after_forward, hybrid mesh?) with the same memory/traffic shape.
 _FSDP2_EQUIVALENT = {
@@ -88,6 +89,8 @@ class ResolvedFSDP:
     min_num_params: Optional[int] = _given()
     sync_each_batch: bool = _given()
     wrap_report_tiny_unit_params: int = _given()
+    # The recipe's parallelism: section (tensor parallelism and its mesh); None: the mesh above, as before TP.
+    parallel: Optional[ParallelDims] = None
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
@@ -199,7 +202,10 @@ def _mesh_shape(fsdp: FSDPConfig, strategy: str, hybrid: bool, num_nodes: int, d
 
 
 def resolve_recipe_fsdp(cfg: RecipeConfig) -> ResolvedFSDP:
-    return resolve_fsdp(cfg.fsdp, cfg.trainer.precision, cfg.trainer.num_nodes, cfg.trainer.devices)
+    t = cfg.trainer
+    resolved = resolve_fsdp(cfg.fsdp, t.precision, t.num_nodes, t.devices)
+    parallel = resolve_parallel_dims(cfg.parallelism, cfg.fsdp, resolved.sharding_strategy, t.num_nodes, t.devices)
+    return replace(resolved, parallel=parallel) if parallel is not None else resolved
 
 
 __all__: List[str] = ["ResolvedFSDP", "resolve_fsdp", "resolve_recipe_fsdp"]

@@ -76,13 +76,17 @@ def unit_modules(model: nn.Module, auto_wrap_policy: str, class_names: Optional[
 def wrap_report(model: nn.Module, units: List[nn.Module], tiny_unit_params: int = 1_000_000) -> Dict:
     """Units, parameters per unit and what to worry about; computed before sharding, so sizes are full."""
     unit_ids = {id(m) for m in units}
-    sizes = []
+    sizes, trainable_sizes = [], []
     for unit in units:
         nested = {id(p) for m in unit.modules() if m is not unit and id(m) in unit_ids for p in m.parameters()}
-        sizes.append(sum(p.numel() for p in unit.parameters() if id(p) not in nested))
+        own = [p for p in unit.parameters() if id(p) not in nested]
+        sizes.append(sum(p.numel() for p in own))
+        trainable_sizes.append(sum(p.numel() for p in own if p.requires_grad))
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    root_params = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    root = [p for p in model.parameters() if id(p) not in in_units]
+    root_params = sum(p.numel() for p in root)
     total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     warnings = []
     if not units:
         warnings.append(
@@ -103,6 +107,11 @@ def wrap_report(model: nn.Module, units: List[nn.Module], tiny_unit_params: int 
             "max": max(sizes) if sizes else 0,
         },
         "root_params": root_params,
+        # Adapters (peft) leave most of each unit frozen: no gradient, no optimizer state for those.
+        "trainable_params_total": trainable,
+        "frozen_params_total": total - trainable,
+        "trainable_per_unit": _spread(trainable_sizes),
+        "root_trainable_params": sum(p.numel() for p in root if p.requires_grad),
         "unit_class": sorted({type(u).__name__ for u in units}),
         "warnings": warnings,
         "guideline": f"large models: aim for {GUIDELINE_MIN_PARAMS // 1_000_000}-{GUIDELINE_MAX_PARAMS // 1_000_000}M "
@@ -111,10 +120,26 @@ def wrap_report(model: nn.Module, units: List[nn.Module], tiny_unit_params: int 
     return report
 
 
+def _spread(sizes: List[int]) -> Dict[str, int]:
+    return {"min": min(sizes) if sizes else 0, "median": int(statistics.median(sizes)) if sizes else 0,
+            "max": max(sizes) if sizes else 0}
+
+
 def format_wrap_report(report: Dict, strategy: str, world_size: int) -> str:
     per = report["params_per_unit"]
-    return (
+    line = (
         f"FSDP {strategy}: {report['units']} units on {world_size} ranks "
         f"({', '.join(report['unit_class']) or 'root only'}); params per unit min/median/max "
         f"{per['min']:,}/{per['median']:,}/{per['max']:,}, root {report['root_params']:,}"
     )
+    if report.get("frozen_params_total"):
+        trainable = report["trainable_per_unit"]
+        line += (f"; trainable {report['trainable_params_total']:,} of {report['params_total']:,} "
+                 f"({report['frozen_params_total']:,} frozen), trainable per unit min/median/max "
+                 f"{trainable['min']:,}/{trainable['median']:,}/{trainable['max']:,}, "
+                 f"root {report['root_trainable_params']:,}")
+    if report.get("mesh"):
+        mesh = " x ".join(f"{name} {size}" for name, size in report["mesh"].items())
+        per_rank = report.get("params_per_rank") or [report["params_this_rank"]]
+        line += f"; mesh {mesh}, params per rank min/max {min(per_rank):,}/{max(per_rank):,}"
+    return line

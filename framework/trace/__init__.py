@@ -8,9 +8,12 @@ The layers, each importing only the ones above it:
 * ``sources``: one module per communication backend (``nccl``, ``gloo``) behind one interface,
   and the registry that picks the source of a record;
 * ``intervals`` and ``metrics``: HTA-compatible measures of one rank's events;
-* ``analysis``: the public API over files, directories and ranks; ``report``: table, JSON, plot.
+* ``sizes``, ``spans``, ``payload``, ``bandwidth``, ``split``: the cross-rank wait/transfer split
+  of communication (plain interval sets, nccl-tests' sizes and bus bandwidth, clock offsets);
+* ``analysis``: the public API over files, directories and ranks (``combine`` joins per-rank
+  results); ``report``: table, JSON, plot.
 """
 
-from shardlight.trace.analysis import analyze_trace_file, analyze_traces
+from shardlight.trace.analysis import analyze_trace_file, analyze_traces, combine
 
-__all__ = ["analyze_trace_file", "analyze_traces"]
+__all__ = ["analyze_trace_file", "analyze_traces", "combine"]

@@ -1,4 +1,11 @@
-"""Public API: analyse one rank's trace file, or a set of files/directories across ranks."""
+"""Public API: analyse one rank's trace file, or a set of files/directories across ranks.
+
+Across ranks there is one implementation whether the traces are read here or on their ranks:
+each rank's result carries a compact payload (:mod:`.payload`), and :func:`combine` turns the
+results into the analysis with the wait/transfer split (:mod:`.split`). ``analyze_records``
+does exactly that; the live callback analyses with ``payload=True`` on every rank, gathers the
+results, and calls ``combine`` on rank 0.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from shardlight.errors import ShardlightError
-from shardlight.trace.metrics import UNASSIGNED_STEP, analyze_record, collect_step_names
+from shardlight.trace.metrics import UNASSIGNED_STEP, collect_step_names, measure_record, prepare
+from shardlight.trace.payload import ALL, build_payload
 from shardlight.trace.reader import read_trace
 from shardlight.trace.records import TraceRecord
 from shardlight.trace.sources import source_for
+from shardlight.trace.split import TIMELINE, cross_rank
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 
@@ -82,13 +91,24 @@ def load_traces(paths: Iterable[str | Path]) -> tuple[list[TraceRecord], list[di
     return [by_rank[rank] for rank in sorted(by_rank)], skipped
 
 
-def analyze_trace_file(path: str | Path, include_last_step: bool = False,
-                       step_name_count: int | None = None) -> dict[str, Any]:
-    """Metrics of one rank's trace file (the value of one ``ranks`` entry of ``analyze_traces``)."""
-    record = read_trace(path)
-    result = analyze_record(record, include_last_step, step_name_count)
+def _analyze(record: TraceRecord, include_last_step: bool, step_name_count: int | None,
+             payload: bool = True) -> dict[str, Any]:
+    mode, rules, events = prepare(record, include_last_step, step_name_count)
+    result = measure_record(record, mode, rules, events)
     result["rank"] = record.rank
+    if payload:
+        result["payload"] = build_payload(record, rules, events, include_last_step)
     return result
+
+
+def analyze_trace_file(path: str | Path, include_last_step: bool = False,
+                       step_name_count: int | None = None, payload: bool = False) -> dict[str, Any]:
+    """Metrics of one rank's trace file (the value of one ``ranks`` entry of ``analyze_traces``).
+
+    ``payload=True`` adds ``result["payload"]``: what :func:`combine` needs of this rank to split
+    its communication into wait and transfer across ranks (small, picklable, JSON-able).
+    """
+    return _analyze(read_trace(path), include_last_step, step_name_count, payload)
 
 
 def _metric_extremes(ranks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -134,27 +154,63 @@ def summarize(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def analyze_records(records: list[TraceRecord], include_last_step: bool = False,
-                    skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    # HTA decides whether to drop the last step from the step names of all ranks together.
-    step_name_count = collect_step_names(records)
+def combine(results: dict[str, dict[str, Any]], link_peak_gbps: float | None = None,
+            skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The analysis of a run from per-rank ``analyze_trace_file(..., payload=True)`` results.
+
+    ``results``: rank (a str) -> that rank's result. Returns what ``analyze_traces`` returns:
+    ``ranks`` with ``split`` (and the split keys in every step), ``summary`` with ``clock``,
+    ``collectives`` and ``bandwidth``; the payloads are dropped. Ranks of the world without a
+    result are named in ``summary["collectives"]["missing_ranks"]``.
+    """
+    if not results:
+        raise ShardlightError("no rank results to combine")
+    by_rank: dict[int, dict[str, Any]] = {}
+    for key, result in results.items():
+        if not isinstance(result, dict) or not isinstance(result.get("payload"), dict):
+            raise ShardlightError(f"rank {key}: result has no payload (analyse it with payload=True)")
+        try:
+            by_rank[int(key)] = result
+        except (TypeError, ValueError):
+            raise ShardlightError(f"rank {key!r}: results must be keyed by rank number") from None
+    if link_peak_gbps is not None and not link_peak_gbps > 0:
+        raise ShardlightError(f"link peak must be a positive GB/s figure, got {link_peak_gbps}")
+    splits, parts = cross_rank(by_rank, link_peak_gbps)
     ranks = {}
-    for record in records:
-        result = analyze_record(record, include_last_step, step_name_count)
-        ranks[str(record.rank)] = result
+    for rank in sorted(by_rank):
+        result = {key: value for key, value in by_rank[rank].items() if key != "payload"}
+        split = splits[rank]
+        result["steps"] = {step: dict(metrics, **split[step]) for step, metrics in result["steps"].items()}
+        result["split"] = split[ALL]
+        if TIMELINE in split:
+            result["timeline"] = split[TIMELINE]
+        ranks[str(rank)] = result
+    include_last = any(result["payload"].get("include_last_step") for result in by_rank.values())
     summary = summarize(ranks)
-    summary["include_last_step"] = include_last_step
+    summary["include_last_step"] = include_last
     summary["skipped"] = list(skipped or [])
+    summary.update(parts)
     return {"ranks": ranks, "summary": summary}
 
 
-def analyze_traces(paths: Iterable[str | Path] | str | Path, include_last_step: bool = False) -> dict[str, Any]:
+def analyze_records(records: list[TraceRecord], include_last_step: bool = False,
+                    skipped: list[dict[str, str]] | None = None,
+                    link_peak_gbps: float | None = None) -> dict[str, Any]:
+    # HTA decides whether to drop the last step from the step names of all ranks together.
+    step_name_count = collect_step_names(records)
+    results = {str(record.rank): _analyze(record, include_last_step, step_name_count) for record in records}
+    return combine(results, link_peak_gbps, skipped)
+
+
+def analyze_traces(paths: Iterable[str | Path] | str | Path, include_last_step: bool = False,
+                   link_peak_gbps: float | None = None) -> dict[str, Any]:
     """Analyse the traces of one run: ``{"ranks": {"<rank>": {...}}, "summary": {...}}``.
 
     ``paths`` are trace files or directories of them (one file per rank). This is the dict that
-    ``shardlight analyze --json`` writes.
+    ``shardlight analyze --json`` writes. ``link_peak_gbps``: a link's peak bandwidth, to report
+    the bus bandwidth as a share of it.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     records, skipped = load_traces(paths)
-    return analyze_records(records, include_last_step, skipped)
+    return analyze_records(records, include_last_step, skipped, link_peak_gbps)

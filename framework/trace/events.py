@@ -1,7 +1,8 @@
 """What every source hands the metrics: a rank's analysed events, and the time rules that pick them.
 
 * ``Events``: the analysed events of one rank, by column, each with a kind (communication,
-  computation, memory, other), a collective name for communication, and a launch time;
+  computation, memory, other), a collective name for communication, a launch time, and for
+  communication what the source knows of the collective (``info``: see ``CommInfo``);
 * ``TimeRules``: HTA 0.5.0's rules every source applies to its rows: the float-timestamp rounding
   (start ``ceil``, end ``floor(ts + dur)``, for every row of a file with any float ``ts``) and the
   last-step filter. That filter applies when the ranks analysed together have at least two
@@ -44,23 +45,46 @@ class Events:
     kind: np.ndarray  # KIND_CODES values
     collective: np.ndarray  # objects: the collective of communication events, else None
     launch: np.ndarray
+    info: np.ndarray | None = None  # objects: a CommInfo dict of communication events, else None
+
+    def __post_init__(self) -> None:
+        if self.info is None:
+            self.info = np.full(self.ts.size, None, dtype=object)
 
     def __len__(self) -> int:
         return self.ts.size
 
     def take(self, which: np.ndarray) -> Events:
-        return Events(self.ts[which], self.end[which], self.kind[which], self.collective[which], self.launch[which])
+        return Events(self.ts[which], self.end[which], self.kind[which], self.collective[which], self.launch[which],
+                      self.info[which])
 
     @classmethod
     def from_tuples(cls, events: list[tuple]) -> Events:
-        """From ``(ts, end, kind, collective or None, launch or None)`` tuples."""
+        """From ``(ts, end, kind, collective or None, launch or None[, info or None])`` tuples."""
         if not events:
             empty = np.array([], dtype=np.int64)
             return cls(empty, empty, empty.astype(np.int8), np.array([], dtype=object), empty.astype(float))
-        ts, end, kind, collective, launch = zip(*events)
+        events = [event if len(event) == 6 else (*event, None) for event in events]
+        ts, end, kind, collective, launch, info = zip(*events)
+        info_column = np.empty(len(info), dtype=object)
+        info_column[:] = info  # element-wise: np.array would try to make the dicts a 2-D array
         return cls(np.array(ts), np.array(end), np.array([KIND_CODES[k] for k in kind], dtype=np.int8),
                    np.array(collective, dtype=object),
-                   np.array([math.nan if x is None else x for x in launch], dtype=float))
+                   np.array([math.nan if x is None else x for x in launch], dtype=float), info_column)
+
+
+def comm_info(kind: str | None = None, message_bytes: float = math.nan, group: str | None = None,
+              ranks: tuple[int, ...] | None = None, group_size: int | None = None,
+              seq: int | None = None) -> dict[str, Any]:
+    """What a source knows of one communication event (every field may be unknown).
+
+    ``kind``: the collective when the event's own ``collective`` could not say (RCCL's Generic
+    kernels); ``message_bytes``: nccl-tests' size (:mod:`shardlight.trace.sizes`), NaN unknown;
+    ``group``/``ranks``/``group_size``: its process group (None: the record's default group);
+    ``seq``: the group's sequence number of the collective, when the trace has one.
+    """
+    return {"kind": kind, "bytes": message_bytes, "group": group, "ranks": ranks, "group_size": group_size,
+            "seq": seq}
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,16 @@ cut into chunks of whole events and each chunk gets:
 occurs (one anywhere makes HTA round the whole file), where the array may end and where
 ``ProfilerStep`` occurs.
 
-CPU rows are not kept here (the Collector gets no prefixes): :mod:`shardlight.trace.reader` uses
-this pass only for a file with device rows, which a device source analyses.
+Two more kinds of rows are read only where a cheap ``bytes.find`` says a chunk has them, so
+the common chunk pays one C search each:
+
+* the args of NCCL kernels that describe their collective (``"Collective name"``, message sizes,
+  process group; :data:`shardlight.trace.records.COMM_ARG_KEYS`): that chunk's kernel regex runs
+  as ``finditer`` and each such kernel's args object is decoded with json;
+* the input pipeline's ``enumerate(DataLoader)`` annotations, decoded with json like the steps.
+
+No other CPU rows are kept here: :mod:`shardlight.trace.reader` uses this pass only for a file
+with device rows, which a device source analyses.
 
 A chunk whose counts disagree (another key order, a negative id, an unexpected category) is
 decoded event by event instead (``_scan_pieces``). Anything else unexpected -- a separator inside
@@ -37,7 +45,7 @@ from itertools import repeat
 from pathlib import Path
 
 from shardlight.trace.chunks import Chunks
-from shardlight.trace.records import Collector, TraceRecord, as_int
+from shardlight.trace.records import INPUT_PREFIX, Collector, TraceRecord, as_int, comm_args
 
 
 class FastPathMiss(Exception):
@@ -62,6 +70,11 @@ _LAUNCH = re.compile(rb'"cat": "(?:cuda_runtime|cuda_driver)' + _HEAD % (rb'?:[^
                      + rb'"correlation":\s*(\d+)[,}\s]')
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _STEP = b"ProfilerStep"
+_INPUT = INPUT_PREFIX.encode()
+# Keys only NCCL kernels that describe their collective carry (records.COMM_ARG_KEYS).
+_COMM_KEYS = (b'"Collective name"', b'"In msg nelems"')
+# The rest of a flat JSON object after its "{": strings may hold braces, nothing else may.
+_OBJECT_REST = re.compile(rb'(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 
 
 class _Window:
@@ -190,6 +203,8 @@ def _top_object(window: _Window, scanner: _Scanner, record: TraceRecord) -> bool
             saw_events = True
         else:
             value = window.value()
+            if key == "distributedInfo":
+                record.read_distributed_info(value)
             if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
                 rank = as_int(value.get("rank"), default=-1)
                 if rank < 0:
@@ -242,7 +257,7 @@ def _texts(raw: tuple[bytes, ...]) -> list[str]:
 class _Scanner:
     def __init__(self, record: TraceRecord):
         self.record = record
-        self.collector = Collector(record, cpu_prefixes=())
+        self.collector = Collector(record, cpu_prefixes=(INPUT_PREFIX,))
 
     def events(self, window: _Window) -> None:
         """Everything from after traceEvents' "[" to after its "]"."""
@@ -275,16 +290,47 @@ class _Scanner:
         """
         streams = buf.count(b'"stream"', start, end)
         correlations = buf.count(b'"correlation"', start, end)
-        kernels = _KERNEL.findall(buf, start, end) if streams else []
+        described = streams and any(buf.find(key, start, end) >= 0 for key in _COMM_KEYS)
+        matches = list(_KERNEL.finditer(buf, start, end)) if described else None
+        if matches is not None:
+            kernels = [match.groups() for match in matches]
+        else:
+            kernels = _KERNEL.findall(buf, start, end) if streams else []
         launches = _LAUNCH.findall(buf, start, end) if correlations > len(kernels) else []
         if len(kernels) != streams or len(kernels) + len(launches) != correlations:
             self._scan_pieces(buf, start, end)
         else:
             if kernels:
+                first_row = len(self.record.gpu_name)
                 self._add_kernels(kernels)
+                if matches:
+                    self._add_comm_args(buf, matches, first_row)
             if launches:
                 self._add_launches(launches)
             self._add_steps(buf, start, end, steps)
+            self._add_inputs(buf, start, end)
+
+    def _add_comm_args(self, buf: bytes, matches: list, first_row: int) -> None:
+        """The collective args of the NCCL kernels among ``matches`` (rows from ``first_row`` on)."""
+        for offset, match in enumerate(matches):
+            if not match.group(1).startswith(b"nccl"):
+                continue
+            opening = buf.index(b"{", buf.rfind(b'"args":', match.start(), match.end()))
+            rest = _OBJECT_REST.match(buf, opening + 1)
+            if rest is None:
+                raise FastPathMiss("nested args")  # the full reader decodes any shape
+            kept = comm_args(json.loads(buf[opening:rest.end()]))
+            if kept is not None:
+                self.record.gpu_args[first_row + offset] = kept
+
+    def _add_inputs(self, buf: bytes, start: int, end: int) -> None:
+        """Decode each event mentioning the DataLoader annotation, for its CPU row only."""
+        found = buf.find(_INPUT, start, end)
+        while found >= 0:
+            first = _last_event_start(buf, start, found)
+            last = _SEPARATOR.search(buf, found, end + 1).start() + 1
+            self.collector.add_cpu_row(json.loads(buf[first:last]))
+            found = buf.find(_INPUT, last, end)
 
     def _add_kernels(self, kernels: list) -> None:
         names, stamps, durations, correlations = zip(*kernels)
@@ -334,5 +380,5 @@ class _Scanner:
         """
         add = self.collector.add
         for piece in _SEPARATOR.split(buf[start + 1:end + 1])[:-1]:
-            if b'"stream"' in piece or b'"correlation"' in piece or _STEP in piece:
+            if b'"stream"' in piece or b'"correlation"' in piece or _STEP in piece or _INPUT in piece:
                 add(json.loads(b"{" + piece + b"}"))

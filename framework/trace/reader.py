@@ -21,7 +21,7 @@ from typing import Any
 from shardlight.errors import ShardlightError
 from shardlight.trace.fastscan import FastPathMiss, scan_trace
 from shardlight.trace.records import Collector, TraceRecord, as_int
-from shardlight.trace.sources import CPU_PREFIXES
+from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES
 
 __all__ = ["read_trace"]
 
@@ -112,7 +112,7 @@ def read_trace(path: str | Path) -> TraceRecord:
 
 def _read_trace(path: Path) -> TraceRecord:
     record = TraceRecord(path=str(path), rank=0)
-    collector = Collector(record, CPU_PREFIXES)
+    collector = Collector(record, CPU_PREFIXES, CPU_ARGS_PREFIXES)
     saw_events = False
     try:
         with _open_text(path) as handle:
@@ -164,6 +164,8 @@ def _read_top_object(stream: _TextStream, collector: Collector, record: TraceRec
             _read_event_array(stream, collector)
         else:
             value = stream.value()
+            if key == "distributedInfo":
+                record.read_distributed_info(value)
             if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
                 rank = as_int(value.get("rank"), default=-1)
                 if rank < 0:

@@ -17,6 +17,12 @@ from typing import Any
 
 # HTA classifies these as GPU rows for its last-step filter even though their stream is -1.
 SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
+# torch's DataLoader wraps each ``__next__`` in this annotation: the input pipeline's time.
+INPUT_PREFIX = "enumerate(DataLoader)"
+# What NCCL communication kernels carry about their collective (torch's record_param_comms); only
+# these args are kept, and only for rows that have them, so the records stay compact.
+COMM_ARG_KEYS = ("Collective name", "Process Group Name", "Process Group Ranks", "Group size", "Seq",
+                 "In msg nelems", "Out msg nelems", "dtype")
 
 
 @dataclass
@@ -28,6 +34,14 @@ class CpuRow:
     ts: float
     dur: float
     tid: Any
+    args: dict | None = None  # only for the prefixes a source asked args of (Collector's args_prefixes)
+
+
+def comm_args(args: dict) -> dict | None:
+    """The COMM_ARG_KEYS of a device row's args, or None if it has none of them."""
+    if "Collective name" not in args and "In msg nelems" not in args:
+        return None
+    return {key: args[key] for key in COMM_ARG_KEYS if key in args}
 
 
 @dataclass
@@ -55,6 +69,33 @@ class TraceRecord:
     # name prefix -> the CPU rows (stream -1, not ProfilerStep) starting with it, in trace order;
     # only the prefixes the Collector was given, and none on the fast path (see fastscan).
     cpu_rows: dict[str, list[CpuRow]] = field(default_factory=dict)
+    # index into the gpu_* columns -> comm_args of that row (NCCL kernels that say their collective)
+    gpu_args: dict[int, dict] = field(default_factory=dict)
+    # distributedInfo: world_size (None when absent) and pg_config ([{pg_name, pg_size, ranks, ...}])
+    world_size: int | None = None
+    process_groups: list[dict] = field(default_factory=list)
+
+    def read_distributed_info(self, info: Any) -> None:
+        """world_size and pg_config of a distributedInfo value (the rank is the readers' business)."""
+        if not isinstance(info, dict):
+            return
+        world = as_int(info.get("world_size"), default=-1)
+        self.world_size = world if world > 0 else None
+        groups = info.get("pg_config")
+        if isinstance(groups, list):
+            self.process_groups = [group for group in groups if isinstance(group, dict)]
+
+    def default_group(self) -> tuple[str | None, tuple[int, ...] | None, int | None]:
+        """(name, ranks, size) of the default process group: pg_config's ``default_pg`` (or the one
+        spanning the world), else the world of distributedInfo (name and ranks unknown)."""
+        for group in self.process_groups:
+            ranks = group.get("ranks")
+            spans_world = self.world_size is not None and group.get("pg_size") == self.world_size
+            if group.get("pg_desc") == "default_pg" or (spans_world and len(self.process_groups) == 1):
+                size = as_int(group.get("pg_size"), default=-1)
+                ranks = tuple(as_int(r) for r in ranks) if isinstance(ranks, list) and ranks else None
+                return str(group.get("pg_name", "0")), ranks, size if size > 0 else self.world_size
+        return None, None, self.world_size
 
     def rows(self, prefix: str) -> list[CpuRow]:
         """The CPU rows whose name starts with ``prefix`` (empty if it was not collected)."""
@@ -79,11 +120,13 @@ class Collector:
     """Turns decoded events into the compact rows of a TraceRecord.
 
     ``cpu_prefixes``: the CPU rows to keep, by name prefix; a row goes to every prefix it starts with.
+    ``args_prefixes``: of those, the rows that keep their args too (gloo work: its input shapes).
     """
 
-    def __init__(self, record: TraceRecord, cpu_prefixes: tuple[str, ...] = ()):
+    def __init__(self, record: TraceRecord, cpu_prefixes: tuple[str, ...] = (), args_prefixes: tuple[str, ...] = ()):
         self.record = record
         self._prefixes = tuple(dict.fromkeys(cpu_prefixes))
+        self._args_prefixes = tuple(args_prefixes)
         for prefix in self._prefixes:
             record.cpu_rows.setdefault(prefix, [])
 
@@ -122,6 +165,10 @@ class Collector:
                 record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
             return
         if stream != -1:
+            if isinstance(args, dict) and name.startswith("nccl"):
+                kept = comm_args(args)
+                if kept is not None:
+                    record.gpu_args[len(record.gpu_name)] = kept
             record.add_gpu_row(name, ts, dur, correlation, is_kernel)
         if is_kernel:
             return
@@ -134,7 +181,24 @@ class Collector:
         if "ProfilerStep" in name:
             record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
         elif self._prefixes and name.startswith(self._prefixes):  # one C call rejects most rows
-            row = CpuRow(name, cat, ts, dur, event.get("tid"))
-            for prefix in self._prefixes:
-                if name.startswith(prefix):
-                    record.cpu_rows[prefix].append(row)
+            self._keep_cpu_row(name, cat, ts, dur, event.get("tid"), args)
+
+    def add_cpu_row(self, event: Any) -> None:
+        """Only the ``cpu_rows`` part of ``add``: the fast scanner decodes its input rows for this alone."""
+        if not isinstance(event, dict):
+            return
+        ts, dur, cat, name = event.get("ts"), event.get("dur"), event.get("cat"), event.get("name")
+        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) or cat in (None, "Trace"):
+            return
+        args = event.get("args")
+        if isinstance(args, dict) and (as_int(args.get("stream", -1)) != -1 or "correlation" in args):
+            return  # a device row or a launch call: the regexes read those
+        if isinstance(name, str) and "ProfilerStep" not in name and name.startswith(self._prefixes):
+            self._keep_cpu_row(name, cat, ts, dur, event.get("tid"), args)
+
+    def _keep_cpu_row(self, name: str, cat: Any, ts: Any, dur: Any, tid: Any, args: Any) -> None:
+        keep_args = isinstance(args, dict) and bool(self._args_prefixes) and name.startswith(self._args_prefixes)
+        row = CpuRow(name, cat, ts, dur, tid, args if keep_args else None)
+        for prefix in self._prefixes:
+            if name.startswith(prefix):
+                self.record.cpu_rows[prefix].append(row)

@@ -63,6 +63,68 @@ def format_summary(analysis: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SPLIT_COLUMNS = (
+    ("wait ms", "wait_us"),
+    ("transfer ms", "transfer_us"),
+    ("exposed wait ms", "exposed_wait_us"),
+    ("exposed transfer ms", "exposed_transfer_us"),
+    ("input ms", "input_us"),
+    ("input wait ms", "input_wait_us"),
+)
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.1f} {unit}" if unit != "B" else f"{value:,.0f} B"
+        value /= 1024
+    return "-"
+
+
+def format_split(analysis: dict[str, Any]) -> str:
+    """Wait vs transfer per rank (ms per analysed step), bus bandwidth per collective, the clock line."""
+    summary = analysis["summary"]
+    if "clock" not in summary:
+        return ""
+    rows = [["rank"] + [title for title, _ in _SPLIT_COLUMNS] + ["matched", "unmatched"]]
+    for rank, result in analysis["ranks"].items():
+        split = result["split"]
+        per_step = 1e-3 / max(1, split["steps"])
+        rows.append([rank] + [f"{split[key] * per_step:,.2f}" for _, key in _SPLIT_COLUMNS]
+                    + [str(split["matched"]), str(split["unmatched"])])
+    lines = ["wait vs transfer (ms per analysed step):"] + _aligned(rows)
+    bandwidth = summary["bandwidth"]
+    if bandwidth:
+        peak = any("peak_pct" in entry for entry in bandwidth.values())
+        titles = ["collective", "count", "bytes", "transfer ms", "algbw GB/s", "busbw GB/s"]
+        rows = [titles + (["% of peak"] if peak else [])]
+        for kind, entry in bandwidth.items():
+            row = [kind, str(entry["count"]), _bytes(entry["bytes"]), f"{entry['transfer_us'] / 1e3:,.2f}",
+                   _cell(entry["algbw_gbps"], 1.0), _cell(entry["busbw_gbps"], 1.0)]
+            rows.append(row + ([_cell(entry.get("peak_pct"), 1.0)] if peak else []))
+        lines += ["bus bandwidth by collective (transfer after the last rank arrived):"] + _aligned(rows)
+    clock, collectives = summary["clock"], summary["collectives"]
+    offsets = ", ".join(f"{rank} {offset:+,.1f}" for rank, offset in clock["offsets_us"].items())
+    lines.append(f"clock offsets vs rank {clock['reference_rank']} (us): {offsets}; residual median "
+                 f"{clock['residual_us']:,.1f} us, max {clock['max_residual_us']:,.1f} us, "
+                 f"from {clock['matched']} collectives matched by {collectives['match']}")
+    if collectives["missing_ranks"]:
+        missing = collectives["missing_ranks"]
+        shown = ", ".join(map(str, missing[:16])) + (f", ... ({len(missing)} in all)" if len(missing) > 16 else "")
+        lines.append(f"partial run: no trace for rank(s) {shown} of world size {collectives['world_size']}; "
+                     "their groups' collectives are unmatched (counted as transfer, no wait)")
+    return "\n".join(lines)
+
+
 def _stack(axis, labels: list[str], results: list[dict[str, Any]], title: str) -> None:
     positions = range(len(labels))
     compute_only = [r["compute_us"] - r["overlap_us"] for r in results]

@@ -12,7 +12,7 @@ the fast reader keeps no CPU rows, so a GPU trace must be claimed from its devic
 from __future__ import annotations
 
 from shardlight.errors import ShardlightError
-from shardlight.trace.records import TraceRecord
+from shardlight.trace.records import INPUT_PREFIX, TraceRecord
 from shardlight.trace.sources.base import DeviceSource, Source
 from shardlight.trace.sources.gloo import GlooSource
 from shardlight.trace.sources.nccl import NcclSource
@@ -22,10 +22,12 @@ SOURCES: tuple[Source, ...] = (
     GlooSource(),
 )
 
-# Every CPU row prefix some source needs: what the full reader keeps (see records.Collector).
-CPU_PREFIXES = tuple(dict.fromkeys(prefix for source in SOURCES for prefix in source.cpu_prefixes))
+# Every CPU row prefix some source needs, and the input annotation every record measures: what
+# the full reader keeps (see records.Collector); and the prefixes whose rows keep their args.
+CPU_PREFIXES = tuple(dict.fromkeys([prefix for source in SOURCES for prefix in source.cpu_prefixes] + [INPUT_PREFIX]))
+CPU_ARGS_PREFIXES = tuple(dict.fromkeys(prefix for source in SOURCES for prefix in source.cpu_args_prefixes))
 
-__all__ = ["CPU_PREFIXES", "SOURCES", "DeviceSource", "Source", "source_for"]
+__all__ = ["CPU_ARGS_PREFIXES", "CPU_PREFIXES", "SOURCES", "DeviceSource", "Source", "source_for"]
 
 
 def source_for(record: TraceRecord) -> Source:

@@ -30,6 +30,8 @@ class Source(ABC):
     needs: str = ""
     # CPU rows the reader must keep for this source (TraceRecord.rows(prefix)), by name prefix.
     cpu_prefixes: tuple[str, ...] = ()
+    # Of those, the rows whose args are kept too (CpuRow.args): few rows, so records stay compact.
+    cpu_args_prefixes: tuple[str, ...] = ()
 
     @abstractmethod
     def claims(self, record: TraceRecord) -> bool:
@@ -53,6 +55,10 @@ class DeviceSource(Source):
     def collective(self, name: str) -> str:
         """The collective of a communication kernel, or UNKNOWN_COLLECTIVE."""
 
+    def kernel_info(self, collective: str, args: dict) -> dict | None:
+        """The ``events.comm_info`` of a communication kernel from its kept args (records.COMM_ARG_KEYS)."""
+        return None
+
     def claims(self, record: TraceRecord) -> bool:
         return bool(record.gpu_ts)
 
@@ -69,9 +75,13 @@ class DeviceSource(Source):
         codes = {name: KIND_CODES[self.kernel_type(name)] for name in set(names)}
         kind = np.array([codes[name] for name in names], dtype=np.int8)
         collective = np.full(len(names), None, dtype=object)
+        info = np.full(len(names), None, dtype=object)
+        described = record.gpu_args
         for index in np.flatnonzero(kind == COMMUNICATION_CODE).tolist():
             collective[index] = self.collective(names[index])
-        events = Events(start, end, kind, collective, launch)
+            if index in described:
+                info[index] = self.kernel_info(collective[index], described[index])
+        events = Events(start, end, kind, collective, launch, info)
         keep = rules.keep_mask(launch)
         return events if keep is None else events.take(keep)
 

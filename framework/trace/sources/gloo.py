@@ -8,16 +8,25 @@ A gloo run has no device rows, so this rule stands in for HTA's kernel rules:
 * each gloo work item is matched, first-in first-out, to the ``c10d::<op>`` call (or, without
   any, the ``FSDP::<op>`` annotation) that issued it; that call names the collective (gloo runs
   reduce-scatter as ``gloo:all_reduce``) and its start is the "launch" used by the last-step
-  filter and the per-step split. Unmatched work keeps its own name and start.
+  filter and the per-step split. Unmatched work keeps its own name and start;
+* aten ops inside the DataLoader's ``enumerate(DataLoader)`` annotations are the input
+  pipeline's (collate), not the model's, so they are not computation;
+* a work item's size comes from its ``Input Dims`` / ``Input type`` (recorded with
+  ``record_shapes=True``): this rank's input, which for ``gloo:all_reduce`` running a
+  reduce-scatter is the full input. Its group is the default process group: the annotation does
+  not name one, and c10d's "Sequence number" is 0 for every gloo call (torch 2.13).
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import Counter, defaultdict, deque
 from typing import Any
 
-from shardlight.trace.events import COMMUNICATION, COMPUTATION, UNKNOWN_COLLECTIVE, Events, TimeRules
-from shardlight.trace.records import TraceRecord
+from shardlight.trace.events import COMMUNICATION, COMPUTATION, UNKNOWN_COLLECTIVE, Events, TimeRules, comm_info
+from shardlight.trace.records import INPUT_PREFIX, CpuRow, TraceRecord
+from shardlight.trace.sizes import dtype_bytes, message_bytes
 from shardlight.trace.sources.base import Source, op_collective
 
 _WORK, _ATEN = "gloo:", "aten::"
@@ -59,11 +68,40 @@ def _issuing_calls(record: TraceRecord, gloo_threads: set) -> list[tuple[float, 
     return calls
 
 
+def input_bytes(row: CpuRow) -> float:
+    """Bytes of a work row's input tensors (its ``Input Dims`` and ``Input type``); NaN if not recorded."""
+    args = row.args or {}
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if not isinstance(dims, list) or not isinstance(types, list) or not dims:
+        return math.nan
+    total = 0.0
+    for shape, dtype in zip(dims, types):
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            return math.nan  # a tensor list or an unrecorded shape: the size is not known exactly
+        total += math.prod(shape) * dtype_bytes(dtype)
+    return total
+
+
+def _inside_input(rows: list[CpuRow]):
+    """A test of whether ``[ts, ts + dur]`` lies inside one of the input annotations ``rows``."""
+    spans = sorted((row.ts, row.ts + row.dur) for row in rows)
+    starts = [start for start, _ in spans]
+    reach = []  # the furthest end of the spans up to each one: nested or overlapping spans are fine
+    for _, end in spans:
+        reach.append(max(end, reach[-1]) if reach else end)
+
+    def inside(ts: float, dur: float) -> bool:
+        index = bisect_right(starts, ts) - 1
+        return index >= 0 and ts + dur <= reach[index]
+    return inside
+
+
 class GlooSource(Source):
     name = "gloo"
     mode = "gloo"
     needs = "gloo communication (gloo:* annotations)"
     cpu_prefixes = (_WORK, _ATEN) + _ISSUERS
+    cpu_args_prefixes = (_WORK,)
 
     def claims(self, record: TraceRecord) -> bool:
         return bool(record.rows(_WORK))
@@ -75,6 +113,7 @@ class GlooSource(Source):
         for start, collective in _issuing_calls(record, gloo_threads):
             pending[collective].append(start)
 
+        group, ranks, group_size = record.default_group()
         events = []
         for row in sorted(work_rows, key=lambda r: r.ts):
             work = op_collective(row.name) or UNKNOWN_COLLECTIVE
@@ -90,11 +129,14 @@ class GlooSource(Source):
             launch = rules.round_ts(raw_launch)
             if rules.keeps(launch):
                 ts, end = rules.bounds(row.ts, row.dur)
-                events.append((ts, end, COMMUNICATION, collective, launch))
+                size = message_bytes(collective, input_bytes(row), math.nan, group_size)
+                info = comm_info(None, size, group, ranks, group_size)
+                events.append((ts, end, COMMUNICATION, collective, launch, info))
 
         main_thread = _main_thread(record, gloo_threads)
+        inside_input = _inside_input([row for row in record.rows(INPUT_PREFIX) if row.tid == main_thread])
         for row in record.rows(_ATEN):
-            if row.tid != main_thread:
+            if row.tid != main_thread or inside_input(row.ts, row.dur):
                 continue
             launch = rules.round_ts(row.ts)
             if rules.keeps(launch):

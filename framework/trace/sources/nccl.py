@@ -15,10 +15,13 @@ so it is ``unknown``. RCCL traces match these rules too, so they are analysed he
 
 from __future__ import annotations
 
+import math
 import re
 
-from shardlight.trace.events import COMMUNICATION, COMPUTATION, MEMORY, OTHER, UNKNOWN_COLLECTIVE
-from shardlight.trace.sources.base import DeviceSource
+from shardlight.trace.events import COMMUNICATION, COMPUTATION, MEMORY, OTHER, UNKNOWN_COLLECTIVE, comm_info
+from shardlight.trace.records import as_int
+from shardlight.trace.sizes import dtype_bytes, message_bytes
+from shardlight.trace.sources.base import DeviceSource, op_collective
 
 _COMM_RE = re.compile(r"^nccl.*Kernel")
 _MEMORY_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -78,6 +81,42 @@ def nccl_collective(name: str) -> str:
     return UNKNOWN_COLLECTIVE
 
 
+def _ranks(value) -> tuple[int, ...] | None:
+    """``Process Group Ranks`` ("[0, 1]", as torch writes it) as a tuple of ints."""
+    if isinstance(value, list):
+        items = value
+    elif isinstance(value, str):
+        items = value.strip().strip("[]").split(",")
+    else:
+        return None
+    ranks = tuple(as_int(item) for item in items if str(item).strip())
+    return ranks if ranks and min(ranks) >= 0 else None
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def kernel_comm_info(collective: str, args: dict) -> dict:
+    """The comm_info of an NCCL kernel from torch's record_param_comms args (Collective name, ...)."""
+    kind = None
+    if collective == UNKNOWN_COLLECTIVE:  # RCCL's Generic kernel: only the args say which it is
+        kind = op_collective(str(args.get("Collective name", ""))) or None
+    ranks = _ranks(args.get("Process Group Ranks"))
+    size = as_int(args.get("Group size"), default=-1)
+    group_size = size if size > 0 else (len(ranks) if ranks else None)
+    element = dtype_bytes(args.get("dtype"))
+    size_of = message_bytes(kind or collective, _number(args.get("In msg nelems")) * element,
+                            _number(args.get("Out msg nelems")) * element, group_size)
+    seq = as_int(args.get("Seq"), default=-1)
+    group = args.get("Process Group Name")
+    return comm_info(kind, size_of, None if group is None else str(group), ranks, group_size,
+                     seq if seq >= 0 else None)
+
+
 class NcclSource(DeviceSource):
     """Any trace with device rows: a GPU trace without NCCL kernels is all computation here, as in HTA."""
 
@@ -90,3 +129,6 @@ class NcclSource(DeviceSource):
 
     def collective(self, name: str) -> str:
         return nccl_collective(name)
+
+    def kernel_info(self, collective: str, args: dict) -> dict | None:
+        return kernel_comm_info(collective, args)

@@ -1,0 +1,197 @@
+"""Export of a PEFT (LoRA) run, verified as the full-model export is (``export``): an adapter directory
+``PeftModel.from_pretrained`` loads and, with ``merge``, the merged full model (``merge_and_unload``,
+``save_pretrained`` safetensors). Each is reloaded in fp32 and its logits on the fixed check batch compared
+with the trained model's; ``max |diff|`` must be within ``EXPORT_TOLERANCE``.
+
+Layout of an export dir ``OUT/`` (the live one is ``run_dir/model/``)::
+
+    adapter/     adapter_config.json + adapter_model.safetensors (+ tokenizer); its base_model_name_or_path
+                 names the frozen base: the pretrained model.name_or_path, or base/ below
+    base/        only when the base cannot be referenced (an inline model.config exists only in the run)
+    merged/      with merge: the full model, base + adapter merged
+    export_check.safetensors, export_report.json
+
+``export_live`` and ``export_checkpoint`` here are the package's entry points: they hand a full (non-PEFT)
+model to ``export``'s functions of the same names, unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from shardlight.adapters import ADAPTER_NAME, is_adapter_model
+from shardlight.callbacks.peer_failure import peer_failures_reported
+from shardlight.checkpoint import export as full_export
+from shardlight.checkpoint.export import (
+    EXPORT_CHECK_FILE,
+    EXPORT_REPORT_FILE,
+    EXPORT_TOLERANCE,
+    MODEL_DIR,
+    check_batch,
+    refuse_nonfinite,
+)
+from shardlight.checkpoint.store import (
+    HF_DIR,
+    META,
+    MODULE_PREFIX,
+    WEIGHT_PREFIX,
+    locate_checkpoint,
+    read_dcp_metadata,
+    verify_checkpoint,
+)
+from shardlight.errors import ShardlightError
+from shardlight.files import write_json
+
+ADAPTER_DIR, BASE_DIR, MERGED_DIR = "adapter", "base", "merged"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _max_abs_diff(model: torch.nn.Module, input_ids: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((model(input_ids=input_ids).logits.float() - reference).abs().max())
+
+
+@torch.no_grad()
+def export_adapter_and_verify(model: Any, tokenizer: Optional[Any], out_dir: Path, reference_logits: torch.Tensor,
+                              *, base_model: Optional[str], merge: bool) -> Dict[str, Any]:
+    """``model``: the trained ``PeftModel`` with real weights (it is consumed: the base copy or the merge may
+    change it). ``base_model``: the pretrained base to reference, or None to write ``base/``. Returns the
+    report (``max_abs_diff``: the worse of the adapter's and the merged model's)."""
+    from peft import PeftModel
+
+    refuse_nonfinite(model.state_dict())
+    out_dir = Path(out_dir)
+    adapter_dir, base_dir, merged_dir = out_dir / ADAPTER_DIR, out_dir / BASE_DIR, out_dir / MERGED_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base_model is None:
+        # unload() strips the adapters from a copy; the copy's modules_to_save keep their trained values,
+        # which the adapter overrides again on load anyway.
+        copy.deepcopy(model).unload().save_pretrained(str(base_dir))
+    model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_model or str(base_dir.resolve())
+    model.save_pretrained(str(adapter_dir))
+    del model
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(adapter_dir))
+    input_ids = check_batch(reference_logits.shape[-1])
+    reference = reference_logits.detach().float().cpu().contiguous()
+    check_file = out_dir / EXPORT_CHECK_FILE
+    save_file({"input_ids": input_ids, "logits": reference}, str(check_file))
+
+    base = AutoModelForCausalLM.from_pretrained(base_model or str(base_dir), dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    report: Dict[str, Any] = {"out": str(out_dir), "adapter_dir": str(adapter_dir), "check_file": str(check_file),
+                              "adapter_max_abs_diff": _max_abs_diff(reloaded, input_ids, reference),
+                              "merged_dir": None, "merged_max_abs_diff": None, "tolerance": EXPORT_TOLERANCE}
+    if merge:
+        reloaded.merge_and_unload().save_pretrained(str(merged_dir))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(merged_dir))
+        del reloaded, base
+        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+        report.update(merged_dir=str(merged_dir), merged_max_abs_diff=_max_abs_diff(merged, input_ids, reference))
+    diffs = [d for d in (report["adapter_max_abs_diff"], report["merged_max_abs_diff"]) if d is not None]
+    report.update(max_abs_diff=max(diffs), ok=max(diffs) <= EXPORT_TOLERANCE)
+    return report
+
+
+def _peft_on_meta(config: Any, peft_config: Any) -> Any:
+    """The ``PeftModel`` architecture without memory, for weights to be assigned into."""
+    from peft import get_peft_model
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config)
+        return get_peft_model(base, copy.deepcopy(peft_config))
+
+
+# ---------------------------------------------------------------- from the live run
+def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
+    """The trained model → ``run_dir/model/`` (``export.export_live``); a PEFT model → ``run_dir/model/adapter``
+    (no merge: ``shardlight export --merge`` writes that), verified against the live sharded model's logits.
+    Every rank must call it; elsewhere than rank 0 ``export_max_abs_diff`` is None."""
+    if not is_adapter_model(module.model):
+        return full_export.export_live(trainer, module, tokenizer, run_dir)
+    out_dir = Path(run_dir) / MODEL_DIR
+    config, strategy = module.model.config, trainer.strategy
+    root = strategy.model
+    was_training = root.training
+    with peer_failures_reported(trainer.global_rank):  # collectives after fit: a dead peer is one line
+        root.eval()
+        with torch.no_grad():
+            reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
+        root.train(was_training)
+        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
+    if not trainer.is_global_zero:
+        return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
+    model = _peft_on_meta(config, module.model.peft_config[ADAPTER_NAME])
+    weights = {k[len(MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
+    model.load_state_dict(weights, strict=True, assign=True)
+    state.clear()
+    cfg = module.cfg
+    base_model = cfg.model.name_or_path if cfg.peft.method is not None else None
+    report = export_adapter_and_verify(model, tokenizer, out_dir, reference, base_model=base_model, merge=False)
+    return {"model_dir": report["adapter_dir"], "export_max_abs_diff": report["max_abs_diff"]}
+
+
+# ---------------------------------------------------------------- from a checkpoint
+def adapter_metadata(checkpoint: Path) -> Optional[Dict[str, Any]]:
+    """What ``shardlight.json`` records of a PEFT checkpoint's adapters and base, or None (a full model)."""
+    meta_file = Path(checkpoint) / META
+    return json.loads(meta_file.read_text()).get("peft") if meta_file.is_file() else None
+
+
+def load_adapter_checkpoint_model(checkpoint: Path) -> Any:
+    """The ``PeftModel`` of a verified PEFT checkpoint: the base (loaded from its reference, or from the
+    checkpoint when it was saved there) and the trained weights read by DCP in place."""
+    from peft import LoraConfig, get_peft_model
+
+    meta = verify_checkpoint(checkpoint)["peft"]
+    hf = checkpoint / HF_DIR
+    if not (hf / ADAPTER_CONFIG).is_file():
+        raise ShardlightError(f"checkpoint {checkpoint} has no {HF_DIR}/{ADAPTER_CONFIG}")
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    dtypes = [m.properties.dtype for k, m in saved.items() if k.startswith(WEIGHT_PREFIX) and hasattr(m, "properties")]
+    if not dtypes:
+        raise ShardlightError(f"checkpoint {checkpoint} holds no model weights under '{WEIGHT_PREFIX}'")
+    if meta["base_model"] is not None and not meta["base_in_checkpoint"]:
+        try:
+            base = AutoModelForCausalLM.from_pretrained(meta["base_model"], dtype=dtypes[0])
+        except OSError as exc:
+            raise ShardlightError(f"checkpoint {checkpoint} references its frozen base {meta['base_model']}, "
+                                  f"which cannot be loaded: {str(exc).splitlines()[0]}") from None
+    else:
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf)), dtype=dtypes[0])
+    model = get_peft_model(base, LoraConfig.from_pretrained(str(hf)))
+    wanted = [n for n, p in model.named_parameters() if p.requires_grad or meta["base_in_checkpoint"]]
+    full_export.load_saved_weights(model, checkpoint, saved, wanted)
+    base.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def export_checkpoint(path: Path, out_dir: Path, merge: bool = False) -> Dict[str, Any]:
+    """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified export; a full model as
+    ``export.export_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/merged`` with ``merge``). The report
+    is also written to ``OUT/export_report.json``; nothing is written when the checkpoint does not verify."""
+    checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
+    peft_meta = adapter_metadata(checkpoint)
+    if peft_meta is None:
+        if merge:
+            raise ShardlightError(f"--merge merges LoRA adapters; checkpoint {checkpoint} holds a full model")
+        return full_export.export_checkpoint(checkpoint, out_dir)
+    model = load_adapter_checkpoint_model(checkpoint)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    reference = model.float()(input_ids=check_batch(model.config.vocab_size)).logits
+    model.to(dtype)  # the export keeps the run's weight dtype (the fp32 reference upcast the same values)
+    hf = checkpoint / HF_DIR
+    tokenizer = AutoTokenizer.from_pretrained(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
+    base_model = None if peft_meta["base_in_checkpoint"] else peft_meta["base_model"]
+    report = {"checkpoint": str(checkpoint),
+              **export_adapter_and_verify(model, tokenizer, out_dir, reference, base_model=base_model, merge=merge)}
+    write_json(out_dir / EXPORT_REPORT_FILE, report)
+    return report

@@ -1,0 +1,80 @@
+"""``shardlight diagnose RUN_DIR|TRACE_DIR``: the verdict of a profiled window, offline.
+
+A run directory: its latest ``traces/step_<N>/`` window, memory and throughput from ``csv/metrics.csv``, the
+wrap report, the recipe's micro-batch, strategy and ``diagnosis:`` thresholds, and the planner's alternatives
+for the recipe. A trace directory: the traces alone. A rank whose trace is missing gives a partial diagnosis
+that names it (exit 0, with a note on stderr); traces of different steps, or no traces, are an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from shardlight.diagnosis import render_panel, write_report
+from shardlight.diagnosis.run_inputs import RunInputs, load_run_inputs
+from shardlight.errors import ShardlightError, first_line
+from shardlight.files import write_json
+from shardlight.planner.alternatives import alternatives_for_recipe
+from shardlight.planner.runs import read_metrics
+
+DIAGNOSE_HELP = "say what bounds a run's step time (communication, a straggler, input, memory, host) and what to try"
+
+
+def add_parsers(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "diagnose", help=DIAGNOSE_HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", metavar="RUN_DIR|TRACE_DIR",
+                        help="a shardlight run directory, or a directory of per-rank profiler traces")
+    parser.add_argument("--json", metavar="OUT", dest="json_out", help="write the diagnosis as JSON")
+    parser.add_argument("--report", metavar="DIR", dest="report_dir", help="write report.md and PNG plots here")
+    parser.set_defaults(func=run_diagnose)
+
+
+def planner_alternatives(inputs: RunInputs) -> tuple:
+    """(alternatives, note): the planner's rows for the run's recipe, or none and why (never fatal)."""
+    if inputs.run_dir is None or not (inputs.run_dir / "recipe.yaml").exists():
+        return [], None
+    try:
+        from shardlight.build import build_hf_config  # heavy (transformers): only for a run directory
+        from shardlight.recipe import load_recipe
+
+        cfg = load_recipe(str(inputs.run_dir / "recipe.yaml"))
+        capacities = [m["capacity_bytes"] for m in inputs.memory.values() if m.get("capacity_bytes")]
+        return alternatives_for_recipe(cfg, build_hf_config(cfg.model),
+                                       device_memory_bytes=min(capacities) if capacities else None), None
+    except Exception as exc:  # noqa: BLE001 - the diagnosis stands without the planner's costing
+        return [], f"planner alternatives unavailable ({first_line(exc)})"
+
+
+def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
+    return read_metrics(run_dir) if run_dir is not None else {}
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    inputs = load_run_inputs(path, metrics=_metrics(path if (path / "csv").is_dir() else None))
+    alternatives, note = planner_alternatives(inputs)
+    diagnosis = inputs.diagnosis(alternatives=alternatives)
+    from rich.console import Console
+
+    Console().print(render_panel(diagnosis))
+    if inputs.missing_ranks:
+        print(f"note: partial diagnosis: no trace from rank(s) {', '.join(map(str, inputs.missing_ranks))}",
+              file=sys.stderr)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    if args.json_out:
+        write_json(args.json_out, {"window": str(inputs.trace_dir), "step": inputs.window_step,
+                                   "diagnosis": diagnosis.to_dict(), "alternatives": alternatives})
+        print(f"wrote {args.json_out}")
+    if args.report_dir:
+        try:
+            report = write_report(args.report_dir, diagnosis, inputs.analysis, memory=inputs.memory,
+                                  throughput=inputs.throughput)
+        except OSError as exc:
+            raise ShardlightError(f"cannot write the report to {args.report_dir}: {exc.strerror or exc}") from None
+        print(f"wrote {report}")
+    return 0

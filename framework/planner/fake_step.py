@@ -1,0 +1,214 @@
+"""Per-rank memory of one training step, measured instead of modelled: the real Hugging Face model, sharded
+with FSDP2 the way ``shardlight.strategy.fsdp2`` shards it, runs forward + loss + backward + optimizer step
+under ``FakeTensorMode`` on a fake process group of the planned world size (``torch.testing._internal.
+distributed.fake_pg``), while ``torch.distributed._tools.FSDPMemTracker`` counts every tensor by category.
+
+Fake tensors carry shapes, dtypes and strides but no storage, so any architecture transformers can build is
+planned without weights, without a GPU and in seconds; the collectives return without moving data. This is
+how torchtitan's ``scripts/estimate/estimation.py`` estimates memory. ``benchmarks/plan_accuracy.py`` runs
+the same model (``build_sharded_model``), loss and optimizer on real CPU tensors and compares the allocator.
+
+An optimizer step on zero gradients first creates the optimizer state; the training step after it is the
+steady state whose peak is reported (gradients are freed by ``zero_grad(set_to_none=True)`` after each step,
+as in training). Fake collectives complete at once, so buffers a real collective keeps alive while it runs
+in the background (a prefetched all-gather, a reduce-scatter input) are not counted: on several ranks the
+peak is a lower bound by up to a unit's buffers (see the README's accuracy notes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from shardlight.errors import ShardlightError
+from shardlight.strategy.wrapping import block_modules
+
+# Categories FSDPMemTracker reports (``_FSDPRefType`` values), grouped the way the plan's table is.
+STATE_CATEGORIES = {"params": ("Sharded Param",), "grads": ("Sharded Grad",), "optim": ("OptState",)}
+BUFFER_CATEGORIES = ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Buffer")
+ACTIVATION_CATEGORIES = ("Activation", "Temp", "Inputs")
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of ``world_size`` ranks in this process (this is rank 0); collectives are no-ops."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        # The planner runs before training, never inside a distributed job: refuse instead of replacing it.
+        raise ShardlightError("the fake-tensor planner cannot run inside an initialized process group; "
+                              "use --analytic")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_friendly_grouped_mm() -> Iterator[None]:
+    """Mixture-of-experts layers call ``torch._grouped_mm``, whose fake (meta) kernel accepts only bf16 while
+    the CPU/GPU kernels also take fp32. For fp32 experts, route transformers to its own grouped-mm custom op
+    (registered with a fake kernel): same output shapes, so the same bytes."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+
+    def bf16_only(input, weight, offs):
+        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = bf16_only
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def strategy_mesh(strategy: str, world_size: int, shard_group_size: Optional[int]):
+    """The FSDP2 device mesh that gives ``strategy``'s per-rank layout: NO_SHARD is a 2-D mesh that
+    replicates over all ranks with shard groups of one (DDP's memory, FSDP's mixed-precision casts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strategy == "NO_SHARD":
+        return init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy == "HYBRID_SHARD":
+        group = shard_group_size or world_size
+        if world_size % group:
+            raise ShardlightError(f"shard group {group} does not divide the world size {world_size}")
+        return init_device_mesh("cpu", (world_size // group, group), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing: bool, precision: str,
+                        param_dtype: str, block_classes: Optional[list] = None, wrap_blocks: bool = True,
+                        trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model on the meta device, checkpointed per block and ``fully_shard``-ed per block then at the root
+    (``shardlight.strategy.fsdp2.apply_fsdp2``'s order), then materialized on the CPU (fake under
+    ``FakeTensorMode``: no bytes)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if param_dtype in ("bfloat16", "bf16") or precision == "bf16-true" else torch.float32
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError, KeyError) as exc:
+        raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
+    model.train()
+    blocks = block_modules(model, block_classes)
+    units = list(blocks) if wrap_blocks else []
+    if checkpointing:
+        ids = {id(b) for b in blocks}
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: id(m) in ids)
+        units = [m for m in model.modules() if isinstance(m, CheckpointWrapper)] if wrap_blocks else []
+    kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy in ("FULL_SHARD", "HYBRID_SHARD")}
+    if precision == "bf16-mixed":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in reversed(units):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device="cpu")
+    return model
+
+
+def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """shardlight's training loss: shifted logits upcast to fp32, summed cross-entropy over the tokens."""
+    logits = model(input_ids=input_ids).logits
+    logits = logits[:, :-1].float()
+    labels = input_ids[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum") / labels.numel()
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-5)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9)
+    raise ShardlightError(f"the fake-tensor planner cannot run optimizer '{name}' (bitsandbytes); use --analytic")
+
+
+def _grouped(snapshot: Dict[str, int]) -> Dict[str, int]:
+    out = {key: sum(snapshot.get(c, 0) for c in cats) for key, cats in STATE_CATEGORIES.items()}
+    out["buffers"] = sum(snapshot.get(c, 0) for c in BUFFER_CATEGORIES)
+    out["activations"] = sum(snapshot.get(c, 0) for c in ACTIVATION_CATEGORIES)
+    out["total"] = snapshot.get("Total", sum(snapshot.values()))
+    return out
+
+
+def run_tracked_step(model: torch.nn.Module, optimizer_name: str, micro_batch_size: int, seq_len: int,
+                     vocab_size: int) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """(peak by category, what forward + loss allocated and left alive by category) of a steady-state step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    optim = make_optimizer(optimizer_name, model.parameters())
+    input_ids = torch.randint(0, vocab_size, (micro_batch_size, seq_len))
+    tracker = FSDPMemTracker(model, optim)
+    tracker.track_inputs((input_ids,))
+    device = torch.device("cpu")
+    with tracker:
+        # Warm-up: one optimizer step on zero gradients creates the optimizer state a real first step would
+        # (same shapes and dtypes) without paying for a forward and backward.
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        tracker.reset_mod_stats()
+        # Report the steady-state step: restart the peak from what is alive now.
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+        tracker._peak_mem = {d: snap.get("Total", 0) for d, snap in tracker._peak_mem_snap.items()}
+        before = _grouped(tracker.get_tracker_snapshot("current").get(device, {}))
+        loss = shardlight_loss(model, input_ids)
+        after = _grouped(tracker.get_tracker_snapshot("current").get(device, {}))
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak").get(device, {})
+    grown = {key: after[key] - before[key] for key in after}
+    return _grouped(peak), grown
+
+
+def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: bool, precision: str,
+                micro_batch_size: int, seq_len: int, optimizer: str = "adamw", param_dtype: str = "float32",
+                shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
+                wrap_blocks: bool = True, trust_remote_code: bool = False) -> Dict[str, Any]:
+    """Rank 0's memory in one steady-state training step of ``strategy`` on ``world_size`` ranks, bytes:
+    ``peak`` (the step's highest total), ``peak_by_category`` (params/grads/optim/buffers/activations at that
+    moment), ``activations`` (saved by forward + loss, alive when backward starts), ``forward_alive`` (every
+    byte forward + loss allocated and left alive: activations plus parameters gathered and kept).
+
+    Runs under ``FakeTensorMode`` with a fake process group: allocates nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if precision not in ("32-true", "bf16-mixed", "bf16-true"):
+        raise ShardlightError(f"the fake-tensor planner runs 32-true, bf16-mixed and bf16-true, not "
+                              f"'{precision}'; use --analytic")
+    with fake_process_group(world_size):
+        mesh = strategy_mesh(strategy, world_size, shard_group_size)
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_grouped_mm():
+            model = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
+                                        block_classes, wrap_blocks, trust_remote_code)
+            try:
+                peak, forward = run_tracked_step(model, optimizer, micro_batch_size, seq_len,
+                                                 int(hf_config.vocab_size))
+            except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+                raise ShardlightError(f"the model's training step fails ({strategy}): "
+                                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+                                      ) from None
+    return {"peak": peak["total"], "peak_by_category": peak, "activations": forward["activations"],
+            "forward_alive": forward["total"]}

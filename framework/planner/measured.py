@@ -1,0 +1,81 @@
+"""The plan's memory from fake-tensor steps (``fake_step.step_memory``) instead of the analytic model.
+
+``measure_rows`` runs one fake training step per (strategy, activation checkpointing, shard group) on the
+planned world size and replaces each estimate's peak with the measured one; the analytic numbers stay in
+the row (``analytic_peak_bytes``, ``analytic_activation_bytes``) as the explanation of where the bytes go
+and to print the difference. CPU offload rows reuse their on-GPU step: the fake step runs on the CPU, where
+offloading moves nothing, so the offloaded peak is the measured peak less the sharded parameters,
+gradients and optimizer state alive at that moment (what ``CPUOffloadPolicy`` keeps on the host).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from shardlight.planner.estimate import Cluster, Workload
+from shardlight.planner.fake_step import step_memory
+
+FAKE_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+FAKE_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What the fake step builds: the Hugging Face config and how shardlight wraps it."""
+
+    hf_config: Any
+    block_classes: Optional[List[str]] = None   # fsdp.transformer_cls_names_to_wrap (None: detected)
+    wrap_blocks: bool = True                    # False: fsdp.auto_wrap_policy=NO_WRAP, one unit
+    trust_remote_code: bool = False
+
+
+def why_not_measured(work: Workload) -> Optional[str]:
+    """The reason the fake step cannot stand for this workload (the plan then keeps the analytic memory)."""
+    if work.peft:
+        return f"the fake step does not build {work.peft} adapters"
+    if work.precision not in FAKE_PRECISIONS:
+        return f"the fake step runs {', '.join(FAKE_PRECISIONS)}, not {work.precision}"
+    if work.optimizer not in FAKE_OPTIMIZERS:
+        return f"the fake step cannot run {work.optimizer} (bitsandbytes) on fake tensors"
+    return None
+
+
+def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster, work: Workload) -> Dict[str, Any]:
+    """Replace each row's peak (and fits/headroom) with the fake step's; returns what was measured and how
+    long it took, for the plan's JSON and text."""
+    reason = why_not_measured(work)
+    if reason is not None:
+        for row in rows:
+            row["memory_source"] = "analytic"
+        return {"source": "analytic", "reason": reason}
+    started = time.perf_counter()
+    steps: Dict[Tuple[str, bool, int], Dict[str, Any]] = {}
+    for row in rows:
+        key = (row["sharding_strategy"], row["activation_checkpointing"], row["shard_group_size"])
+        if key not in steps:
+            steps[key] = step_memory(model.hf_config, cluster.world_size, key[0], key[1], work.precision,
+                                     work.micro_batch_size, work.seq_len, work.optimizer, work.param_dtype,
+                                     shard_group_size=key[2] if key[0] == "HYBRID_SHARD" else None,
+                                     block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
+                                     trust_remote_code=model.trust_remote_code)
+        apply_step(row, steps[key], cluster)
+    return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),
+            "world_size": cluster.world_size}
+
+
+def apply_step(row: Dict[str, Any], step: Dict[str, Any], cluster: Cluster) -> None:
+    at_peak = step["peak_by_category"]
+    peak = step["peak"]
+    if row["cpu_offload"]:
+        peak -= at_peak["params"] + at_peak["grads"] + at_peak["optim"]
+    row["analytic_peak_bytes"] = row["peak_bytes"]
+    row["analytic_activation_bytes"] = row["activation_bytes"] + row["logits_bytes"]
+    row["measured_activation_bytes"] = step["activations"]
+    row["measured_at_peak"] = dict(at_peak)
+    row["memory_source"] = "fake-step"
+    row["peak_bytes"] = float(peak)
+    row["total_with_overhead_bytes"] = peak + cluster.overhead_bytes
+    row["headroom_bytes"] = cluster.usable_bytes - peak
+    row["fits"] = peak <= cluster.usable_bytes and row["host_fits"]

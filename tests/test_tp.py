@@ -1,0 +1,289 @@
+"""Tensor parallelism under FSDP2 on real gloo ranks: tp 2 on 2 ranks, dp_shard 2 x tp 2 and dp_replicate 2 x
+tp 2 on 4 ranks against a single-process reference on the same global batch (the data-parallel size is world /
+tp), accumulation without reduce-scatters on non-final micro-batches, global-norm clipping, activation
+checkpointing, bf16-mixed; sharded (DCP) checkpoints of DTensor shards: exact resume, resharding tp 2 -> no TP
+and -> tp 4, export, inspect, ``full_params`` on 2-D shards; TP vs FSDP comm keys by process group and the
+verdict's TP action; and the bad-input refusals of the ``parallelism:`` section, one line before any rank
+starts."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_RECIPE, REPO, forbid_training, run_cli, save_tiny_llama
+from test_strategy import (
+    MICRO_BATCH,
+    SEQ_LEN,
+    STEPS,
+    TOKENIZER,
+    TRAIN_DATA,
+    assert_weights_close,
+    final_weights,
+    reference_weights,
+    run_worker,
+)
+
+from shardlight.cli import main
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def tp_setup(tmp_path_factory):
+    """The strategy tests' tiny Llama (4 heads, 4 key/value heads, MLP width 64: tp 2 divides them all) and
+    a recipe with FSDP2 and a small clipping threshold, so that clipping acts on every step."""
+    root = tmp_path_factory.mktemp("tp")
+    save_tiny_llama(root / "init")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        model: {{name_or_path: {root / 'init'}}}
+        tokenizer: {{name_or_path: {TOKENIZER}}}
+        data: {{train_files: [{TRAIN_DATA}], val_fraction: 0.0, seq_len: {SEQ_LEN}}}
+        optim: {{lr: 1.0e-3, warmup_steps: 1, weight_decay: 0.1}}
+        trainer: {{max_steps: {STEPS}, micro_batch_size: {MICRO_BATCH}, accelerator: cpu, devices: 2,
+                   limit_val_batches: 0, progress_bar: false, log_every_n_steps: 1, num_threads: 1,
+                   gradient_clip_val: 0.05}}
+        logging: {{wandb: {{enabled: false}}}}
+        fsdp: {{fsdp_version: 2, transformer_cls_names_to_wrap: [LlamaDecoderLayer]}}
+        parallelism: {{tp_size: 2}}
+    """))
+    return recipe
+
+
+def _wrap_line(output):
+    return next(line for line in output.splitlines() if line.startswith("FSDP "))
+
+
+@pytest.mark.slow
+def test_tp2_on_two_ranks_matches_single_process_with_checkpointing(tp_setup, tmp_path):
+    # Both ranks are one TP group: one data-parallel rank, so the reference is one process on one batch.
+    summary, counts, output = run_worker(tp_setup, tmp_path, ["fsdp.activation_checkpointing=true"])
+    assert summary["steps"] == STEPS and summary["world_size"] == 2
+    assert "mesh dp_replicate 1 x dp_shard 1 x tp 2" in _wrap_line(output)
+    assert_weights_close(final_weights(summary), reference_weights(tp_setup, 1))
+    # One data-parallel rank: the two TP ranks share each packed batch, so its tokens count once.
+    with open(Path(summary["run_dir"]) / "csv" / "metrics.csv") as fh:
+        seen = [float(r["train/tokens_seen"]) for r in csv.DictReader(fh) if r.get("train/tokens_seen")]
+    assert seen[-1] == STEPS * MICRO_BATCH * SEQ_LEN, seen
+    # Checkpointed blocks run forward twice per step (the extra forwards: the export check's logits on
+    # every rank, rank 0 also the reload's).
+    assert [c["block_forward"] for c in counts] == [LAYERS * (2 * STEPS + e) for e in (2, 1)], counts
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_on_four_ranks_accumulates_without_reduce_scatter_and_matches(tp_setup, tmp_path):
+    accumulate = 2
+    summary, counts, output = run_worker(
+        tp_setup, tmp_path, ["trainer.devices=4", f"trainer.accumulate_grad_batches={accumulate}"])
+    assert summary["steps"] == STEPS and summary["world_size"] == 4
+    line = _wrap_line(output)
+    assert "mesh dp_replicate 1 x dp_shard 2 x tp 2" in line
+    # Per rank: the decoder projections (2 x 10,240) quartered by TP and FSDP, the rest (embeddings, head,
+    # norms: 32,800 + 2 x 64) halved by FSDP alone.
+    per_rank = (32_800 + 2 * 64) // 2 + 2 * 10_240 // 4
+    assert f"params per rank min/max {per_rank:,}/{per_rank:,}" in line
+    wrap = json.loads((Path(summary["run_dir"]) / "wrap_report.json").read_text())
+    assert wrap["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2} and wrap["params_per_rank"] == [per_rank] * 4
+    # Two data-parallel ranks (TP ranks share a batch): the reference is two ranks' batches, not four.
+    assert_weights_close(final_weights(summary), reference_weights(tp_setup, 2, accumulate=accumulate))
+    units = LAYERS + 1
+    # One gradient reduce-scatter per unit per optimizer step, none on the non-final micro-batch.
+    assert all(c["reduce_scatter"] == units * STEPS for c in counts), counts
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_x_tp2_on_four_ranks_matches(tp_setup, tmp_path):
+    summary, _, output = run_worker(tp_setup, tmp_path, ["trainer.devices=4", "parallelism.dp_replicate_size=2"])
+    assert "mesh dp_replicate 2 x dp_shard 1 x tp 2" in _wrap_line(output)
+    assert_weights_close(final_weights(summary), reference_weights(tp_setup, 2))
+
+
+@pytest.mark.slow
+def test_tp2_bf16_mixed_trains(tp_setup, tmp_path):
+    summary, _, output = run_worker(tp_setup, tmp_path, ["trainer.precision=bf16-mixed", "trainer.max_steps=2"])
+    assert summary["steps"] == 2
+    assert "device_type of 'cuda'" not in output
+
+
+def _losses(run_dir):
+    """Per-step train/loss from metrics.csv, keyed by optimizer step (1-based)."""
+    with open(Path(run_dir) / "csv" / "metrics.csv") as fh:
+        return {int(r["step"]) + 1: float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")}
+
+
+@pytest.mark.slow
+def test_tp_checkpoint_exact_resume_reshard_to_no_tp_and_tp4_export_and_inspect(tp_setup, tmp_path):
+    full, _, _ = run_worker(tp_setup, tmp_path / "a", ["trainer.max_steps=6", "checkpoint.every_n_steps=2"])
+    reference, step4 = _losses(full["run_dir"]), Path(full["run_dir"]) / "checkpoints" / "step-4"
+    meta = json.loads((step4 / "shardlight.json").read_text())
+    assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    same, _, _ = run_worker(tp_setup, tmp_path / "b", ["trainer.max_steps=6", f"resume={step4}"])
+    # One process without TP, and tp 4 on 4 ranks, read the same batches (one data-parallel rank every time):
+    # the same losses.
+    alone, _, output = run_worker(tp_setup, tmp_path / "c", ["trainer.max_steps=6", f"resume={step4}",
+                                                             "trainer.devices=1", "parallelism.tp_size=1"])
+    assert f"resumed from {step4} at step 4" in output
+    wider, _, _ = run_worker(tp_setup, tmp_path / "d", ["trainer.max_steps=6", f"resume={step4}",
+                                                        "trainer.devices=4", "parallelism.tp_size=4"])
+    for resumed in (same, alone, wider):
+        got = _losses(resumed["run_dir"])
+        assert sorted(got) == [5, 6] and all(abs(got[s] - reference[s]) <= 1e-6 for s in (5, 6)), (got, reference)
+    assert_weights_close(final_weights(alone), final_weights(full))
+
+    export = run_cli(["export", str(step4.parent / "step-6"), "--out", str(tmp_path / "hf")])
+    assert export.returncode == 0 and "OK" in export.stdout, export.stderr[-3000:]
+    assert_weights_close(final_weights({"model_dir": str(tmp_path / "hf")}), final_weights(full), atol=0)
+    listing = run_cli(["inspect", str(step4)])
+    assert listing.returncode == 0, listing.stderr
+    assert "2 rank(s) wrote shards; mesh dp_replicate 1 x dp_shard 1 x tp 2" in listing.stdout
+    q = next(line for line in listing.stdout.splitlines() if line.startswith("model.layers.0.self_attn.q_proj"))
+    assert "r0:0:16,0:32  r1:16:32,0:32" in q  # column-parallel: each TP rank holds half the output rows
+
+
+@pytest.mark.slow
+def test_full_params_on_fsdp_x_tp_shards(tmp_path):
+    out = tmp_path / "seen.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), FP_PORT=str(29500 + os.getpid() % 400 + 1))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "tp_full_params_worker.py"), str(out)],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert seen["q_mesh"] == ["dp_shard", "tp"] and seen["q_local_shape"] == [8, 32]  # 32 rows / tp 2 / dp 2
+    # Per rank: the non-TP weights (embeddings, head, norms: 32,800 + 2 x 64) halved by FSDP, the decoder
+    # projections (2 x 10,240) quartered.
+    assert seen["params_this_rank"] == (32_800 + 2 * 64) // 2 + 2 * 10_240 // 4
+    assert seen["all_equal_to_init"] and seen["discarded"] and seen["written_back"], seen
+
+
+NO_PLAN_MODEL = ("model.config={model_type: opt, vocab_size: 512, hidden_size: 32, ffn_dim: 64, "
+                 "num_hidden_layers: 2, num_attention_heads: 4, max_position_embeddings: 512, "
+                 "word_embed_proj_dim: 32, bos_token_id: 0, eos_token_id: 1, pad_token_id: 2}")
+V2 = "fsdp.fsdp_version=2"
+BAD_TP = [
+    ("heads", [V2, "trainer.devices=3", "parallelism.tp_size=3"],
+     "parallelism.tp_size 3 does not divide the model's num_attention_heads (4)"),
+    ("kv_heads", [V2, "trainer.devices=4", "parallelism.tp_size=4", "model.config.num_key_value_heads=2"],
+     "parallelism.tp_size 4 does not divide the model's num_key_value_heads (2)"),
+    ("intermediate", [V2, "parallelism.tp_size=2", "model.config.intermediate_size=257"],
+     "does not divide the model's intermediate_size (257)"),
+    ("world_vs_tp", [V2, "trainer.devices=3", "parallelism.tp_size=2"],
+     "world size 3 (trainer.num_nodes 1 x trainer.devices 3) is not divisible by parallelism.tp_size 2"),
+    ("mesh_vs_world", [V2, "trainer.devices=4", "parallelism.tp_size=2", "parallelism.dp_shard_size=3"],
+     "dp_replicate 1 x dp_shard 3 x tp 2 = 6 does not match the world size 4"),
+    ("replicate_vs_world", [V2, "trainer.devices=4", "parallelism.tp_size=2", "parallelism.dp_replicate_size=3"],
+     "world size 4 is not divisible by dp_replicate_size 3 x tp_size 2"),
+    ("cross_node", [V2, "trainer.num_nodes=2", "parallelism.tp_size=4"],
+     "parallelism.tp_size 4 is larger than the 2 devices per node"),
+    ("fsdp1", ["parallelism.tp_size=2"], "parallelism.tp_size 2 needs fsdp.fsdp_version: 2"),
+    ("cp_size", [V2, "parallelism.cp_size=2"], "context parallelism is not supported yet"),
+    ("dp_sizes_without_tp", [V2, "parallelism.dp_shard_size=2"], "apply with tp_size > 1"),
+    ("no_model_plan", [V2, "parallelism.tp_size=2", NO_PLAN_MODEL],
+     "OPTForCausalLM has no base_model_tp_plan; give one as parallelism.tp_plan"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", [c[1:] for c in BAD_TP], ids=[c[0] for c in BAD_TP])
+def test_bad_tp_input_is_one_line_before_spawn(tmp_path, capsys, monkeypatch, overrides, expected):
+    forbid_training(monkeypatch)
+    code = main(["train", f"output_dir={tmp_path / 'out'}", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+PLAN_CASES = [
+    ("missing_module", {"model.layers.*.self_attn.query": "colwise"},
+     "parallelism.tp_plan: model.layers.*.self_attn.query matches no module of the model; candidates: "
+     "lm_head, model.layers.*.mlp.down_proj"),
+    # '*' stands for one name, as parallelize_module matches: a glob spanning dots would silently match nothing.
+    ("glob_across_dots", {"*.q_proj": "colwise"}, "*.q_proj matches no module"),
+    ("unknown_style", {"model.layers.*.self_attn.q_proj": "diagonal"},
+     "parallelism.tp_plan.model.layers.*.self_attn.q_proj: 'diagonal' is not allowed; allowed values: colwise"),
+]
+
+
+@pytest.mark.parametrize("plan,expected", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_bad_recipe_tp_plan(tmp_path, capsys, monkeypatch, plan, expected):
+    forbid_training(monkeypatch)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {DEFAULT_RECIPE}\nfsdp: {{fsdp_version: 2}}\n"
+                      f"parallelism: {{tp_size: 2, tp_plan: {json.dumps(plan)}}}\n")
+    code = main(["train", str(recipe), f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def _nccl_rank0_trace():
+    """Rank 0 of 4 on a dp_shard 2 x tp 2 mesh, one step [0, 1000): compute [50, 130], a TP all-reduce
+    [100, 300] (group [0, 1]), an FSDP all-gather [500, 600] (group [0, 2]), a whole-world all-reduce
+    [700, 750] (the loss: neither)."""
+    from test_trace_split import _cpu, _kernel, _launch
+
+    events = [_cpu("ProfilerStep#1", 0, 1000), _launch(45, 1), _kernel("gemm_kernel", 50, 80, 1)]
+    comms = (("allreduce", "AllReduce", 100, 300, "1", [0, 1]), ("_allgather_base", "AllGather", 500, 600, "2", [0, 2]),
+             ("allreduce", "AllReduce", 700, 750, "0", [0, 1, 2, 3]))
+    for correlation, (collective, token, start, end, group, ranks) in enumerate(comms, start=2):
+        args = {"Collective name": collective, "In msg nelems": 1000, "Out msg nelems": 1000 * len(ranks),
+                "Group size": len(ranks), "dtype": "Float", "Process Group Name": group,
+                "Process Group Ranks": str(ranks), "Seq": correlation}
+        events += [_launch(start - 5, correlation),
+                   _kernel(f"ncclDevKernel_{token}_RING_LL(x)", start, end - start, correlation, stream=20, **args)]
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 4},
+            "traceEvents": events}
+
+
+def test_comm_keys_separate_tp_from_fsdp_by_process_group(tmp_path):
+    from shardlight.callbacks._comm_metrics import window_metrics
+    from shardlight.trace import analyze_trace_file
+
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps(_nccl_rank0_trace()))
+    result = analyze_trace_file(path, include_last_step=True)
+    assert {g["ranks"] and tuple(g["ranks"]) for g in result["by_group"].values()} == {(0, 1), (0, 2), (0, 1, 2, 3)}
+    metrics = window_metrics(result, {}, tp_size=2)
+    split = {k: round(v, 6) for k, v in metrics.items() if k.startswith(("comm/tp/", "comm/fsdp/"))}
+    # TP all-reduce 200 us, 30 of them under compute; the FSDP all-gather 100 us, none hidden; the world
+    # all-reduce counts in comm/all_reduce_ms only.
+    assert split == {"comm/tp/all_reduce_ms": 0.2, "comm/tp/exposed_ms": 0.17, "comm/fsdp/all_gather_ms": 0.1,
+                     "comm/fsdp/exposed_ms": 0.1}, split
+    assert round(metrics["comm/all_reduce_ms"], 6) == 0.25
+    assert not any(k.startswith("comm/tp/") for k in window_metrics(result, {}, tp_size=None))
+
+
+def test_verdict_names_exposed_tp_communication():
+    from test_diagnosis import analysis, rank
+
+    from shardlight.diagnosis import diagnose
+
+    def with_groups(entry, tp_exposed_ms):
+        # 2 steps: the TP group [0, 1] holds tp_exposed_ms per step of the exposed communication, [0, 2] the rest.
+        entry["world_size"] = 4
+        entry["by_group"] = {
+            "1": {"ranks": [0, 1], "by_collective": {"all_reduce": {"exposed_comm_us": tp_exposed_ms * 2000}}},
+            "2": {"ranks": [0, 2], "by_collective": {"all_gather": {"exposed_comm_us": 5_000.0}}}}
+        return entry
+
+    comm_bound = dict(compute=40, transfer=31, wait=4)
+    wrap = {"units": 3, "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}}
+    result = diagnose(analysis(with_groups(rank(**comm_bound), 20.0), with_groups(rank(**comm_bound), 24.0)), wrap=wrap)
+    assert result.verdict == "communication-bound" and result.evidence["tp_exposed_ms"] == pytest.approx(22.0)
+    tp_action = next(a for a in result.actions if a.text.startswith("tensor-parallel communication"))
+    assert tp_action.text == ("tensor-parallel communication is 22.0 ms exposed per step (22% of the step): lower "
+                              "parallelism.tp_size (now 2) and shard more with FSDP instead, and keep TP inside a "
+                              "node (tp_size <= trainer.devices)")
+    assert tp_action.score == pytest.approx(22.0)
+    # Without a TP mesh, or with traces that name no groups, the action is not offered.
+    plain = diagnose(analysis(with_groups(rank(**comm_bound), 20.0)), wrap={"units": 3})
+    assert "tp_exposed_ms" not in plain.evidence
+    assert not any(a.text.startswith("tensor-parallel") for a in plain.actions)
+    assert not any(a.text.startswith("tensor-parallel")
+                   for a in diagnose(analysis(rank(**comm_bound)), wrap=wrap).actions)

@@ -1,0 +1,42 @@
+"""`shardlight train ARGS` where one rank dies or stops in the live export after fit, for the fault tests.
+
+$EXPORT_FAULT is ``<rank>:kill`` (SIGKILL) or ``<rank>:stop`` (SIGSTOP: a hung rank). That rank does it to
+itself as it enters the full-weights gather (the reference forward before it has run on every rank), so the
+other rank is inside ``export_live``'s collectives when the peer goes. Every rank writes its pid to
+``$EXPORT_FAULT_DIR/rank<R>.pid`` at start; the victim writes the time of its fault to ``fault`` just before.
+
+The run is otherwise real (a 2-rank gloo FSDP fit); Lightning's launcher re-executes this script for rank 1,
+so the wrapper is in place on every rank.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from shardlight.strategy.lightning import ShardlightFSDPStrategy  # noqa: E402
+
+_DIR = Path(os.environ["EXPORT_FAULT_DIR"])
+_RANK, _ACTION = os.environ["EXPORT_FAULT"].split(":")
+_SIGNAL = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[_ACTION]
+_full_state_dict = ShardlightFSDPStrategy.full_state_dict
+
+
+def _faulty_full_state_dict(self):
+    if self.global_rank == int(_RANK):
+        (_DIR / "fault").write_text(repr(time.time()))
+        os.kill(os.getpid(), _SIGNAL)
+    return _full_state_dict(self)
+
+
+ShardlightFSDPStrategy.full_state_dict = _faulty_full_state_dict
+
+if __name__ == "__main__":
+    from shardlight.cli import main
+
+    _DIR.mkdir(parents=True, exist_ok=True)
+    (_DIR / f"rank{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(str(os.getpid()))
+    sys.exit(main(sys.argv[1:]))
