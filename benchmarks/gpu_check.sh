@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the observability callbacks: the default recipe on one CUDA GPU (NCCL, world size 1,
-# bf16-mixed) with the comm/memory/throughput callbacks; prints the CUDA memory metrics, MFU and the
-# comm callback's kernel classification of the real CUDA trace, and writes the trace and the metrics
+# bf16-mixed) with the comm/memory/throughput callbacks, then a short QLoRA run (4-bit base); prints the
+# CUDA memory metrics, MFU and the comm callback's kernel classification of the real CUDA trace, and writes the trace and the metrics
 # into OUT_DIR. A few minutes at most (set-up excluded).
 #
 #   benchmarks/gpu_check.sh OUT_DIR
@@ -34,6 +34,24 @@ export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false HF_HUB_
     trainer.max_steps=30 trainer.val_every_n_steps=30 trainer.log_every_n_steps=5 trainer.progress_bar=false \
     callbacks.comm.every_n_steps=10 callbacks.comm.keep_windows=null \
     "output_dir=$OUT/runs" --summary-json "$OUT/summary.json" 2>&1 | tee "$OUT/train.log"
+
+# QLoRA (peft.method: qlora): LoRA adapters on a base loaded in 4 bits with bitsandbytes, which only a GPU runs.
+# The base must be a pretrained checkpoint (the 4-bit load quantizes saved weights): the default recipe's tiny
+# Llama, saved here first. Its own check: the run finishes its steps and exports its adapter.
+"$PY" - "$OUT/qlora-base" <<'EOF'
+import sys
+from transformers import AutoModelForCausalLM
+from shardlight.build import build_hf_config
+from shardlight.recipe import load_recipe
+
+AutoModelForCausalLM.from_config(build_hf_config(load_recipe(None, []).model)).save_pretrained(sys.argv[1])
+EOF
+"$REPO/.venv/bin/shardlight" train recipes/tiny-llama-lora.yaml peft.method=qlora \
+    "model.name_or_path=$OUT/qlora-base" model.config=null \
+    trainer.accelerator=gpu trainer.devices=1 trainer.precision=bf16-mixed trainer.max_steps=10 \
+    trainer.progress_bar=false callbacks.comm.enabled=false \
+    "output_dir=$OUT/qlora-runs" --summary-json "$OUT/qlora-summary.json" 2>&1 | tee "$OUT/qlora.log"
+"$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); assert s["steps"] == 10 and s["model_dir"], s; print("QLORA OK", s["model_dir"])' "$OUT/qlora-summary.json"
 
 "$PY" - "$OUT" <<'EOF'
 import csv, json, shutil, sys

@@ -34,6 +34,17 @@ def gather(obj: Any) -> List[Any]:
     return out
 
 
+def gather_to_zero(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` in rank order on rank 0 (elsewhere: an empty list). A collective: every rank calls it.
+    For what only rank 0 reads (the comm window's payloads): the others do not unpickle every rank's copy."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    is_zero = torch.distributed.get_rank() == 0
+    out: Optional[List[Any]] = [None] * torch.distributed.get_world_size() if is_zero else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out if is_zero else []
+
+
 def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -183,14 +194,11 @@ class Findings:
             ``grads_bytes``, ``optim_bytes`` (the memory callback's latest snapshot).
         throughput: ``tokens_per_sec_per_device`` and ``scaling_efficiency`` (when a baseline is known).
         analysis: the latest comm window's trace analysis, combined across ranks (``shardlight.trace``).
-        diagnosis: that window's ``shardlight.diagnosis.Diagnosis``; ``window_step`` its last step.
     """
 
     memory: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     throughput: Dict[str, Any] = field(default_factory=dict)
     analysis: Optional[Dict[str, Any]] = None
-    diagnosis: Any = None
-    window_step: Optional[int] = None
 
 
 @dataclass

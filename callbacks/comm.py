@@ -23,8 +23,8 @@ The per-rank results are gathered to rank 0, which logs per step of the window (
   bandwidth, nccl-tests conventions); ``comm/straggler_rank``: the rank the others wait for;
 * the window's verdict (``shardlight.diagnosis``): ``diagnosis/*`` shares of the step, and one console line,
   e.g. ``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
-  headroom 22.1 GB (rank 1)``. The latest window's analysis and verdict stay in ``Shared.findings`` for the
-  end-of-run verdict.
+  headroom 22.1 GB (rank 1)``. The latest window's combined analysis stays in ``Shared.findings`` for the
+  end-of-run verdict. ``diagnosis.enabled: false`` keeps the split and bandwidth metrics, without the verdict.
 
 Re-analyse a window offline with ``shardlight analyze run_dir/traces/step_<N>/``: it drops the last
 recorded step as this callback does (HTA's rule), so both report the same communication time.
@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -64,13 +64,13 @@ from shardlight.callbacks._common import (
     Shared,
     aggregate,
     define_wandb_group,
-    gather,
+    gather_to_zero,
     log_metrics,
     per_rank_key,
     rank,
 )
 from shardlight.diagnosis import Config as DiagnosisConfig
-from shardlight.diagnosis import diagnose, window_line
+from shardlight.diagnosis import Diagnosis, diagnose, window_line
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
 from shardlight.trace import analyze_trace_file, combine
@@ -106,9 +106,10 @@ class Config:
         metadata={"non_negative": True,
                   "help": "Keep the traces of this many latest windows in run_dir/traces (null or 0: all)."},
     )
-    record_shapes: bool = field(
-        default=True,
-        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU)."},
+    record_shapes: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU); "
+                          "null: on CPU only (NCCL kernels carry their sizes)."},
     )
     print_windows: bool = field(
         default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
@@ -128,7 +129,7 @@ class CommTimeCallback(Callback):
         table: where the latest per-rank values go for the end-of-run table.
         gather_delay: steps between a window's end and the cross-rank gather of its results (the
             analysis runs in a background thread meanwhile); metrics are logged at the window's end step.
-        record_shapes: record op shapes (the bytes of gloo collectives).
+        record_shapes: record op shapes (the bytes of gloo collectives); None: on a CPU device only.
         print_windows: print each window's verdict line (rank 0).
         findings: where rank 0 keeps the latest window's analysis and verdict, and reads the memory and
             throughput callbacks' latest values for it.
@@ -137,7 +138,7 @@ class CommTimeCallback(Callback):
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
                  warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
-                 table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: bool = True,
+                 table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: Optional[bool] = None,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
                  strategy: Optional[str] = None) -> None:
@@ -185,7 +186,10 @@ class CommTimeCallback(Callback):
         dims = getattr(getattr(trainer.strategy, "resolved", None), "parallel", None)
         self.tp_size = dims.tp if dims is not None else None
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
-        define_wandb_group(trainer, "step")
+        for group in ("step", "input", "diagnosis"):  # logged at the window's end step, like comm/*
+            define_wandb_group(trainer, group)
+        if self.record_shapes is None:  # only gloo needs op shapes for bytes; NCCL kernels carry their sizes
+            self.record_shapes = trainer.strategy.root_device.type == "cpu"
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -318,7 +322,7 @@ class CommTimeCallback(Callback):
         if "error" in local and window["error"] is None:
             window["error"] = local["error"]
             warn(f"comm window at step {window['start']} skipped on rank {rank()} ({local['error']})")
-        results = gather(local)
+        results = gather_to_zero(local)  # only rank 0 reads the others' results
         if trainer.is_global_zero:
             self._log(trainer, window, results)
             self._prune(window)
@@ -331,7 +335,7 @@ class CommTimeCallback(Callback):
         per_rank = [res.get("metrics") for res in results]
         if all(m is None for m in per_rank):
             return
-        verdict = self._diagnose(trainer, window, results, per_rank) if self.diagnosis.enabled else None
+        verdict, diagnosis = self._diagnose(trainer, window, results, per_rank)
         metrics = aggregate(METRIC_KEYS + tuple(group_metric_keys(per_rank)), per_rank, worst="mean")
         for key, slow_key in (("comm/total_ms", "comm/slowest_rank"), ("step/time_ms", "step/slowest_rank")):
             candidates = [(m[key], r) for r, m in enumerate(per_rank) if m is not None and key in m]
@@ -348,24 +352,33 @@ class CommTimeCallback(Callback):
         if verdict is not None:
             metrics.update(verdict)
         log_metrics(trainer, metrics, step=window["end"])
-        diagnosis = self.findings.diagnosis if verdict is not None else None
         if diagnosis is not None and self.print_windows:
             self._print(trainer, window_line(window["end"], diagnosis))
 
     def _diagnose(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]],
-                  per_rank: List[Optional[Dict[str, float]]]) -> Optional[Dict[str, float]]:
-        """Match the ranks' collectives (wait vs transfer), diagnose the window; its metrics, or None.
+                  per_rank: List[Optional[Dict[str, float]]]) -> Tuple[Dict[str, float], Optional[Diagnosis]]:
+        """Match the ranks' collectives (wait vs transfer) and, with ``diagnosis.enabled``, diagnose the window:
+        the bandwidth and verdict metrics, and the verdict (None when off or failed).
 
-        The split metrics go into ``per_rank`` (each rank's dict), the verdict's and bandwidth's are returned.
+        Rank 0's main thread does this, after the gather (about 2 ms for 2 ranks of the default recipe): the
+        cross-rank match needs every rank's payload. The split metrics go into ``per_rank`` (each rank's dict).
         A failure here is a warning: the window's plain comm metrics are still logged.
         """
         analyses = {str(r): res["analysis"] for r, res in enumerate(results) if "analysis" in res}
         try:
-            analysis = combine(analyses)
-            for r, metrics in enumerate(per_rank):
-                rank_result = analysis["ranks"].get(str(r))
-                if metrics is not None and rank_result is not None:
-                    metrics.update(split_metrics(rank_result))
+            analysis = combine(analyses, link_peak_gbps=self.diagnosis.link_peak_gbps)
+        except Exception as exc:  # noqa: BLE001 - the analysis must never stop training
+            warn(f"comm window at step {window['start']}: no cross-rank split ({type(exc).__name__}: {exc})")
+            return {}, None
+        for r, metrics in enumerate(per_rank):
+            rank_result = analysis["ranks"].get(str(r))
+            if metrics is not None and rank_result is not None:
+                metrics.update(split_metrics(rank_result))
+        self.findings.analysis = analysis
+        out = bandwidth_metrics(analysis["summary"])
+        if not self.diagnosis.enabled:
+            return out, None
+        try:
             diagnosis = diagnose(
                 analysis, memory=self.findings.memory or None, throughput=self.findings.throughput or None,
                 wrap=getattr(trainer.strategy, "wrap_report", None), config=self.diagnosis,
@@ -373,14 +386,11 @@ class CommTimeCallback(Callback):
             )
         except Exception as exc:  # noqa: BLE001 - the diagnosis must never stop training
             warn(f"comm window at step {window['start']}: no diagnosis ({type(exc).__name__}: {exc})")
-            return None
-        self.findings.analysis, self.findings.diagnosis = analysis, diagnosis
-        self.findings.window_step = window["end"]
-        out = bandwidth_metrics(analysis["summary"])
+            return out, None
         out.update({k: v for k, v in diagnosis.summary_metrics().items() if isinstance(v, (int, float))})
-        if diagnosis.straggler_rank is not None:
+        if diagnosis.straggler_rank is not None:  # only when the window is straggler-bound
             out["comm/straggler_rank"] = float(diagnosis.straggler_rank)
-        return out
+        return out, diagnosis
 
     def _strategy_name(self, trainer: pl.Trainer) -> Optional[str]:
         """The sharding strategy the run resolved to (the recipe may leave it to the defaults)."""

@@ -280,6 +280,7 @@ class ThroughputCallback(Callback):
             self.findings.throughput = {
                 "tokens_per_sec_per_device": tokens_per_sec,
                 "scaling_efficiency": metrics.get("throughput/scaling_efficiency"),
+                "mfu": metrics.get("throughput/mfu"),
                 "baseline_tokens_per_sec_per_device": self.baseline,
             }
         log_metrics(trainer, metrics)

@@ -48,6 +48,8 @@ def _quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     # Lightning sees `srun` on PATH (a login node) and hints at it; `shardlight launch slurm` is the srun path.
     warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
+    # peft asks transformers the old name of a property; transformers warns about its own rename, not our use.
+    warnings.filterwarnings("ignore", message=".*`is_gradient_checkpointing` is deprecated.*", category=FutureWarning)
     # The final validation after fit runs on every rank with the training sampler's sharding, as during fit.
     warnings.filterwarnings("ignore", message=r".*During `trainer.validate\(\)`, it is recommended to use.*")
 
@@ -160,8 +162,9 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         write_json(run_dir / "wrap_report.json", wrap)
         for logger in trainer.loggers:
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
-    diagnosis = conclude(trainer, cfg, run_dir, alternatives=planner_alternatives(cfg, trainer, module))
     exported = export_live(trainer, module, tokenizer, run_dir)  # every rank: the full weights are gathered
+    # After the export's collectives: rank 0's verdict work (planner, plots, W&B images) keeps no rank waiting.
+    diagnosis = conclude(trainer, cfg, run_dir, alternatives=planner_alternatives(cfg, trainer, module))
     model_dir = exported["model_dir"]
 
     summary = {

@@ -40,29 +40,34 @@ def conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path,
              alternatives: Optional[List[Any]] = None) -> Optional[Diagnosis]:
     """Diagnose the run from what its callbacks found, and show and log it (rank 0; other ranks: None)."""
     findings = findings_of(trainer)
-    if not trainer.is_global_zero or findings is None:
+    if not trainer.is_global_zero or findings is None or not cfg.diagnosis.enabled:
         return None
     if findings.analysis is None:
         print("shardlight: no comm window was analysed (run too short or callbacks.comm disabled): no verdict",
               flush=True)
         return None
-    resolved = getattr(trainer.strategy, "resolved", None)
-    try:
-        diagnosis = diagnose(
-            findings.analysis, memory=findings.memory or None, throughput=findings.throughput or None,
-            wrap=getattr(trainer.strategy, "wrap_report", None), alternatives=alternatives, config=cfg.diagnosis,
-            micro_batch_size=cfg.trainer.micro_batch_size,
-            strategy=getattr(resolved, "sharding_strategy", None) or cfg.fsdp.sharding_strategy,
-        )
-    except Exception as exc:  # noqa: BLE001 - a verdict that fails must not cost the user the trained model
+    try:  # a verdict that fails must not cost the user the run: it comes after the export, and only warns
+        return _conclude(trainer, cfg, run_dir, findings, alternatives)
+    except Exception as exc:  # noqa: BLE001
         warn(f"no end-of-run verdict ({type(exc).__name__}: {exc})")
         return None
+
+
+def _conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path, findings: Any,
+              alternatives: Optional[List[Any]]) -> Diagnosis:
+    resolved = getattr(trainer.strategy, "resolved", None)
+    diagnosis = diagnose(
+        findings.analysis, memory=findings.memory or None, throughput=findings.throughput or None,
+        wrap=getattr(trainer.strategy, "wrap_report", None), alternatives=alternatives, config=cfg.diagnosis,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        strategy=getattr(resolved, "sharding_strategy", None) or cfg.fsdp.sharding_strategy,
+    )
     write_json(run_dir / DIAGNOSIS_JSON, diagnosis.to_dict())
     images: List[Path] = []
     try:
         report = write_report(run_dir, diagnosis, findings.analysis, memory=findings.memory or None,
                               throughput=findings.throughput or None)
-        images = [Path(report).parent / name for name in REPORT_IMAGES if (Path(report).parent / name).exists()]
+        images = [report.parent / name for name in REPORT_IMAGES if (report.parent / name).exists()]
     except Exception as exc:  # noqa: BLE001
         warn(f"report.md not written ({type(exc).__name__}: {exc})")
     _print_panel(diagnosis)

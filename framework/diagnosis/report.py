@@ -150,6 +150,8 @@ def write_report(out_dir, diagnosis: Diagnosis, analysis: Mapping[str, Any], *,
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ShardlightError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    for stale in REPORT_IMAGES:  # a requeued run reports into the same run dir: no image of an earlier attempt
+        (out / stale).unlink(missing_ok=True)
     images = ["timeline.png"] if plot_timeline(analysis, out / "timeline.png") else []
     images.append("split.png")
     plot_split(diagnosis, out / "split.png")

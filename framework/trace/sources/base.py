@@ -81,6 +81,8 @@ class DeviceSource(Source):
             collective[index] = self.collective(names[index])
             if index in described:
                 info[index] = self.kernel_info(collective[index], described[index])
+                if info[index] and info[index].get("kind"):  # RCCL's Generic kernel: its args name it
+                    collective[index] = info[index]["kind"]
         events = Events(start, end, kind, collective, launch, info)
         keep = rules.keep_mask(launch)
         return events if keep is None else events.take(keep)
