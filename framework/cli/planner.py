@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple
 from shardlight.build import build_hf_config
 from shardlight.cli.common import add_recipe_items, parse_number, parse_on_off, split_recipe_and_overrides, write_json
 from shardlight.errors import ShardlightError
+from shardlight.planner.calibration import check_matches, load_calibration
 from shardlight.planner.measured import StepModel
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.plan import (
@@ -78,8 +79,14 @@ def run_plan(args: argparse.Namespace) -> int:
     spec, step_model, cfg = model_from_args(args)
     work, cluster = workload_options(args), cluster_options(args)
     ckpt, offload = restrictions(args)
-    plan = plan_for(spec, cluster_for(cluster, cfg), workload_for(work, cfg), ckpt, offload,
-                    model=None if args.analytic else step_model)
+    planned_cluster = cluster_for(cluster, cfg)
+    calibration = None
+    if args.calibration:
+        calibration = load_calibration(args.calibration)
+        check_matches(calibration, planned_cluster.world_size, cfg.trainer.accelerator if cfg else None,
+                      source=f"--calibration {args.calibration}")
+    plan = plan_for(spec, planned_cluster, workload_for(work, cfg), ckpt, offload,
+                    model=None if args.analytic else step_model, calibration=calibration)
     sys.stdout.write(render(plan) + "\n")
     if args.json:
         write_json(args.json, plan)
@@ -139,6 +146,10 @@ def add_parsers(subparsers: Any) -> None:
     add_recipe_items(plan)
     plan.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Hugging Face config.json instead of a recipe")
     plan.add_argument("--json", metavar="OUT", help="write the recommendation and every estimate as JSON")
+    plan.add_argument("--calibration", metavar="PROFILE_JSON",
+                      help="step times from what `shardlight profile` measured (its profile.json or "
+                           "calibration.json) instead of the bandwidth table and --peak-tflops x --mfu; "
+                           "only for the world size it was measured on")
     plan.add_argument("--analytic", action="store_true",
                       help="memory from the closed-form model only, without the fake-tensor training steps")
     _cluster_args(plan)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
+from shardlight.planner.calibration import apply_to_rows, check_matches
 from shardlight.planner.estimate import Cluster, Workload, estimate_all, make_cluster
 from shardlight.planner.measured import StepModel, measure_rows
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
@@ -52,13 +53,20 @@ class WorkloadOptions:
     lora_r: Optional[int] = None
 
 
-def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional[StepModel] = None) -> Dict[str, Any]:
+def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional[StepModel] = None,
+              calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every configuration's estimate and the recommendation among all of them; with ``model``, each peak
-    is measured by a fake-tensor training step (``measured.measure_rows``), else analytic."""
+    is measured by a fake-tensor training step (``measured.measure_rows``), else analytic; with
+    ``calibration`` (``shardlight.planner.calibration``, measured by ``shardlight profile``), step times come
+    from it instead of the table's bandwidths and peak x MFU."""
     work.validate()
+    if calibration is not None:
+        check_matches(calibration, cluster.world_size)
     if spec.max_positions and work.seq_len > spec.max_positions:
         raise ShardlightError(f"seq_len {work.seq_len} exceeds the model's maximum positions ({spec.max_positions})")
     rows = estimate_all(spec, cluster, work)
+    if calibration is not None:
+        apply_to_rows(rows, calibration, spec, work)
     if model is not None:
         memory = measure_rows(rows, model, cluster, work)
     else:
@@ -73,15 +81,18 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
         "model": described,
         "cluster": cluster.to_json(),
         "workload": dict(vars(work)),
+        "time_source": "calibration" if calibration is not None else "table defaults",
+        **({"calibration": calibration} if calibration is not None else {}),
     }
 
 
 def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: Optional[bool] = None,
-             restrict_offload: Optional[bool] = None, model: Optional[StepModel] = None) -> Dict[str, Any]:
+             restrict_offload: Optional[bool] = None, model: Optional[StepModel] = None,
+             calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``make_plan`` (memory measured by fake steps of ``model`` when given, else analytic), then (when
     ``restrict_ckpt``/``restrict_offload`` is not None) only the configurations with that activation
     checkpointing / CPU offload, the recommendation chosen among them."""
-    plan = make_plan(spec, cluster, work, model)
+    plan = make_plan(spec, cluster, work, model, calibration)
     if restrict_ckpt is None and restrict_offload is None:
         return plan
     rows = [r for r in plan["strategies"] if (restrict_ckpt is None or r["activation_checkpointing"] == restrict_ckpt)
@@ -167,6 +178,15 @@ def memory_line(memory: Dict[str, Any]) -> str:
     return f"memory: analytic model ({memory.get('reason', 'no model config to run')})"
 
 
+def time_line(plan: Dict[str, Any]) -> str:
+    cal = plan.get("calibration")
+    if not cal:
+        return "time: table defaults (the cluster's bandwidths, peak x MFU); --calibration profile.json measures them"
+    return (f"time: calibrated by shardlight profile on {cal['world_size']} {cal['device_kind']} ranks "
+            f"({cal['backend']}): {cal['achieved_tflops'] * 1e3:.3g} GFLOP/s per rank, "
+            f"{cal['host_overhead_s'] * 1e3:.3g} ms host time per step, measured collective latency and bandwidth")
+
+
 def render(plan: Dict[str, Any]) -> str:
     """What ``shardlight plan`` prints: model, cluster, workload, the table, the recommendation and why."""
     rec, model, cluster = plan["recommendation"], plan["model"], plan["cluster"]
@@ -184,6 +204,7 @@ def render(plan: Dict[str, Any]) -> str:
         + (f", {work['peft']} r={work['lora_r']} ({plan['strategies'][0]['trainable_params']:,} trainable params, "
            f"base frozen; FSDP{work['fsdp_version']})" if work.get("peft") else ""),
         memory_line(plan.get("memory", {})),
+        time_line(plan),
         "",
         format_table(plan["strategies"]),
         "",

@@ -38,6 +38,7 @@ from shardlight.planner.plan import (
 )
 from shardlight.planner.recommend import choose, find_row
 from shardlight.planner.runs import COMPARED, measure, read_metrics, run_one
+from shardlight.planner.sweep_calibration import calibrate_sweep
 from shardlight.recipe import ModelConfig, RecipeConfig, load_recipe
 
 DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
@@ -173,7 +174,10 @@ def compare(plan: Dict[str, Any], runs: Dict[str, Dict[str, Any]], strategies: L
     predicted_row = choose(swept)
     predicted = predicted_row["sharding_strategy"] if predicted_row else None
     notes: List[str] = []
-    if best and predicted and best != predicted:
+    if best and predicted and best != predicted and plan.get("time_source") == "calibration":
+        notes.append(f"measured best {best} differs from the calibrated plan's {predicted}: see the step-time "
+                     f"errors below; calibrated predictions that close are within this machine's run-to-run noise")
+    elif best and predicted and best != predicted:
         notes.append(f"measured best {best} differs from the plan's {predicted}: the plan's times assume "
                      f"{plan['cluster']['peak_tflops']:g} TFLOP/s at {plan['cluster']['mfu']:.0%} MFU and its "
                      f"interconnect; on this hardware measured communication/compute decide.")
@@ -231,13 +235,18 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
         runs[strategy] = run_strategy(request, strategy, world, find_row(plan["strategies"], strategy, ckpt, offload),
                                       common, out, baseline_file if baseline_tps else None, baseline_tps, alternatives)
 
+    # Step times measured here replace the table's bandwidths and peak x MFU before plan and measurement meet.
+    calibrated = calibrate_sweep(plan, runs, spec, workload_for(request.workload, cfg),
+                                 cluster_for(request.cluster, cfg), cfg.trainer.accelerator, ckpt, out)
     best, predicted, notes = compare(plan, runs, strategies, ckpt, offload, request.cluster.gpu_memory)
+    if "calibration_error" in calibrated:
+        notes.append(f"no step-time calibration: {calibrated['calibration_error']}")
     result = {
         "recipe": cfg.name, "steps": steps, "world_size": world, "out_dir": str(out),
         "measured_best": best, "plan_prediction": predicted,
         "plan_recommendation": plan["recommendation"], "agree": best == predicted if best and predicted else None,
         "notes": notes, "baseline_file": str(baseline_file) if baseline_tps else None, "runs": runs,
-        "plan": plan,
+        "plan": plan, **calibrated,
     }
     write_json(out / "profile.json", result)
     report.write_report(result, out, wandb_enabled=bool(cfg.logging.wandb.enabled), wandb_mode=cfg.logging.wandb.mode)
@@ -249,6 +258,10 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
     print("agree" if result["agree"] else "disagree" if result["agree"] is False else "no comparison")
     for note in notes:
         print(f"  - {note}")
+    for strategy, check in (calibrated.get("step_time_check") or {}).items():
+        print(f"  {strategy}: calibrated step {check['predicted_step_s'] * 1e3:.1f} ms, measured "
+              + (f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.1%})" if check["measured_step_s"]
+                 else "nothing"))
     print(f"report: {out / 'profile_report.md'}")
     failed = [s for s, r in runs.items() if "summary" not in r]
     return 1 if failed and not measured_ok else 0

@@ -149,6 +149,26 @@ def diagnosis_lines(result: Dict[str, Any], out: Path) -> List[str]:
     return lines + [""]
 
 
+def step_time_lines(result: Dict[str, Any]) -> List[str]:
+    """Every strategy's calibrated step time against the measured one (the calibration is in-sample here)."""
+    check = result.get("step_time_check")
+    if not check:
+        return ["## Step time", "", f"- not calibrated: {result.get('calibration_error', 'no calibration')}", ""]
+    cal = result["calibration"]
+    lines = ["## Step time: calibrated prediction vs measured", "",
+             f"Calibrated on {', '.join(cal['calibrated_on'])} ({cal['world_size']} ranks, {cal['device_kind']}, "
+             f"{cal['backend']}): {cal['achieved_tflops'] * 1e3:.3g} GFLOP/s per rank, "
+             f"{cal['host_overhead_s'] * 1e3:.3g} ms host time per step, {cal['exposed_fraction']:.0%} of "
+             "transfers exposed; `calibration.json` is the file `shardlight plan --calibration` reads.", "",
+             "| strategy | predicted ms | measured ms | error |", "|---|---|---|---|"]
+    for name, c in check.items():
+        measured = c["measured_step_s"]
+        lines.append(f"| {name} | {c['predicted_step_s'] * 1e3:.4g} | {_fmt(measured and measured * 1e3)} | "
+                     + (f"{c['error']:+.1%} |" if c["error"] is not None else "– |"))
+    return lines + ["", "Every run here is in the calibration, so this is how well the model's form fits; "
+                    "`benchmarks/plan_calibration.py` predicts strategies left out of it.", ""]
+
+
 def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
                  wandb_mode: Optional[str] = None) -> None:
     """``out/profile_report.md`` with the plots and, when enabled, the W&B table."""
@@ -168,6 +188,7 @@ def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
     lines += ["", "Measured `params/grads/optim` are the exact local shard bytes (memory callback, max over ranks); "
               "predicted ones come from `shardlight plan`. Peak on CPU is the process RSS (includes the Python/torch "
               "runtime), on GPU `max_memory_allocated`; the planned peak counts tensors only.", ""]
+    lines += step_time_lines(result)
     lines += diagnosis_lines(result, out)
     failed = {k: v for k, v in result["runs"].items() if "error" in v}
     if failed:
