@@ -11,38 +11,20 @@ from typing import Any, Dict, Iterable, List, Optional
 import lightning.pytorch as pl
 import torch
 
+from shardlight.collectives import all_gather_objects, dist_ready, gather_objects_to_zero
 from shardlight.errors import warn
 
 GB = 1e9  # the *_gb metrics are decimal gigabytes (10^9 bytes)
 DEFAULT_INTERVAL = 50  # steps, when neither the callback nor the trainer sets one
 
 
-def dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def rank() -> int:
     return torch.distributed.get_rank() if dist_ready() else 0
 
 
-def gather(obj: Any) -> List[Any]:
-    """Every rank's ``obj`` (a small picklable value), in rank order, on every rank. A collective."""
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
-        return [obj]
-    out: List[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def gather_to_zero(obj: Any) -> List[Any]:
-    """Every rank's ``obj`` in rank order on rank 0 (elsewhere: an empty list). A collective: every rank calls it.
-    For what only rank 0 reads (the comm window's payloads): the others do not unpickle every rank's copy."""
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
-        return [obj]
-    is_zero = torch.distributed.get_rank() == 0
-    out: Optional[List[Any]] = [None] * torch.distributed.get_world_size() if is_zero else None
-    torch.distributed.gather_object(obj, out, dst=0)
-    return out if is_zero else []
+# The callbacks' names for the collectives module's helpers.
+gather = all_gather_objects
+gather_to_zero = gather_objects_to_zero
 
 
 def finite(value: Any) -> bool:
@@ -211,8 +193,7 @@ class Shared:
         trust_remote_code: the model's ``trust_remote_code`` (the throughput callback rebuilds the
             architecture on the meta device to count FLOPs).
         diagnosis: the recipe's ``diagnosis:`` section (``shardlight.diagnosis.Config``; None: its defaults).
-        micro_batch_size, strategy: what the diagnosis's advice is about (``trainer.micro_batch_size``, the
-            FSDP sharding strategy).
+        micro_batch_size: what the diagnosis's advice is about (``trainer.micro_batch_size``).
         tp_size: the tensor-parallel degree: that many ranks share each batch (throughput counts it once).
         The few facts callbacks need from outside their ``callbacks:`` section, handed in, never imported.
     """
@@ -222,5 +203,4 @@ class Shared:
     trust_remote_code: bool = False
     diagnosis: Any = None
     micro_batch_size: Optional[int] = None
-    strategy: Optional[str] = None
     tp_size: int = 1

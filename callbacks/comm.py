@@ -133,7 +133,8 @@ class CommTimeCallback(Callback):
         print_windows: print each window's verdict line (rank 0).
         findings: where rank 0 keeps the latest window's analysis and verdict, and reads the memory and
             throughput callbacks' latest values for it.
-        diagnosis: the recipe's ``diagnosis:`` thresholds; micro_batch_size, strategy: what its advice is about.
+        diagnosis: the recipe's ``diagnosis:`` thresholds; micro_batch_size: what its advice is about;
+            tp_size: the tensor-parallel degree (its process groups are comm/tp/..., the others comm/fsdp/...).
     """
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
@@ -141,11 +142,10 @@ class CommTimeCallback(Callback):
                  table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: Optional[bool] = None,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
-                 strategy: Optional[str] = None) -> None:
+                 tp_size: int = 1) -> None:
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
-        self.tp_size: Optional[int] = None  # set at fit start from the strategy's mesh
         self.wait, self.warmup, self.active = wait, warmup, active
         self.length = wait + warmup + active
         self.per_rank = per_rank
@@ -157,7 +157,7 @@ class CommTimeCallback(Callback):
         self.findings = findings if findings is not None else Findings()
         self.diagnosis = diagnosis if diagnosis is not None else DiagnosisConfig()
         self.micro_batch_size = micro_batch_size
-        self.strategy = strategy
+        self.tp_size = tp_size
         self._window: Optional[Dict[str, Any]] = None
         self._pending: Optional[Dict[str, Any]] = None
         self._last_step = -1
@@ -182,9 +182,6 @@ class CommTimeCallback(Callback):
     # --- hooks ----------------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # With tensor parallelism the trace's process groups split into TP and FSDP ones (comm/tp/..., comm/fsdp/...).
-        dims = getattr(getattr(trainer.strategy, "resolved", None), "parallel", None)
-        self.tp_size = dims.tp if dims is not None else None
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         for group in ("step", "input", "diagnosis"):  # logged at the window's end step, like comm/*
             define_wandb_group(trainer, group)
@@ -382,7 +379,7 @@ class CommTimeCallback(Callback):
             diagnosis = diagnose(
                 analysis, memory=self.findings.memory or None, throughput=self.findings.throughput or None,
                 wrap=getattr(trainer.strategy, "wrap_report", None), config=self.diagnosis,
-                micro_batch_size=self.micro_batch_size, strategy=self._strategy_name(trainer),
+                micro_batch_size=self.micro_batch_size,
             )
         except Exception as exc:  # noqa: BLE001 - the diagnosis must never stop training
             warn(f"comm window at step {window['start']}: no diagnosis ({type(exc).__name__}: {exc})")
@@ -391,11 +388,6 @@ class CommTimeCallback(Callback):
         if diagnosis.straggler_rank is not None:  # only when the window is straggler-bound
             out["comm/straggler_rank"] = float(diagnosis.straggler_rank)
         return out, diagnosis
-
-    def _strategy_name(self, trainer: pl.Trainer) -> Optional[str]:
-        """The sharding strategy the run resolved to (the recipe may leave it to the defaults)."""
-        resolved = getattr(trainer.strategy, "resolved", None)
-        return getattr(resolved, "sharding_strategy", None) or self.strategy
 
     @staticmethod
     def _print(trainer: pl.Trainer, line: str) -> None:
@@ -421,5 +413,5 @@ def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
         warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,
         table=shared.table, record_shapes=config.record_shapes, print_windows=config.print_windows,
         findings=shared.findings, diagnosis=shared.diagnosis, micro_batch_size=shared.micro_batch_size,
-        strategy=shared.strategy,
+        tp_size=shared.tp_size,
     )

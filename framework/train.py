@@ -19,11 +19,10 @@ import transformers
 from shardlight.build import build_datamodule, build_module, build_trainer
 from shardlight.callbacks import findings_of
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
-from shardlight.errors import first_line
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
 from shardlight.model import NonFiniteStop
-from shardlight.planner.alternatives import alternatives_for_recipe
+from shardlight.planner.alternatives import alternatives_on_device
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
@@ -78,12 +77,10 @@ def planner_alternatives(cfg: RecipeConfig, trainer, module) -> Optional[list]:
     findings = findings_of(trainer)
     if not trainer.is_global_zero or findings is None or findings.analysis is None:
         return None
-    capacities = [m["capacity_bytes"] for m in findings.memory.values() if m.get("capacity_bytes")]
-    try:
-        return alternatives_for_recipe(cfg, module.model.config, device_memory_bytes=min(capacities, default=None))
-    except Exception as exc:  # noqa: BLE001 - the verdict goes on without effect estimates
-        print(f"note: planner alternatives unavailable ({first_line(exc)})", file=sys.stderr)
-        return None
+    alternatives, note = alternatives_on_device(cfg, module.model.config, findings.memory)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return alternatives or None
 
 
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:

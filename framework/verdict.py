@@ -55,12 +55,10 @@ def conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path,
 
 def _conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path, findings: Any,
               alternatives: Optional[List[Any]]) -> Diagnosis:
-    resolved = getattr(trainer.strategy, "resolved", None)
     diagnosis = diagnose(
         findings.analysis, memory=findings.memory or None, throughput=findings.throughput or None,
         wrap=getattr(trainer.strategy, "wrap_report", None), alternatives=alternatives, config=cfg.diagnosis,
         micro_batch_size=cfg.trainer.micro_batch_size,
-        strategy=getattr(resolved, "sharding_strategy", None) or cfg.fsdp.sharding_strategy,
     )
     write_json(run_dir / DIAGNOSIS_JSON, diagnosis.to_dict())
     images: List[Path] = []

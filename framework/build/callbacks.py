@@ -18,7 +18,7 @@ from shardlight.runtime import RunContext
 
 def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Callback]:
     shared = Shared(trust_remote_code=cfg.model.trust_remote_code, diagnosis=cfg.diagnosis,
-                    micro_batch_size=cfg.trainer.micro_batch_size, strategy=cfg.fsdp.sharding_strategy,
+                    micro_batch_size=cfg.trainer.micro_batch_size,
                     tp_size=cfg.parallelism.tp_size)
     # First: its on_exception prints the clear line before any other callback's on_exception runs.
     callbacks: List[Callback] = [peer_failure.build()]

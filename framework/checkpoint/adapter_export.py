@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.adapters import ADAPTER_NAME, is_adapter_model
-from shardlight.callbacks.peer_failure import peer_failures_reported
 from shardlight.checkpoint import export as full_export
 from shardlight.checkpoint.export import (
     EXPORT_CHECK_FILE,
@@ -117,15 +116,8 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     if not is_adapter_model(module.model):
         return full_export.export_live(trainer, module, tokenizer, run_dir)
     out_dir = Path(run_dir) / MODEL_DIR
-    config, strategy = module.model.config, trainer.strategy
-    root = strategy.model
-    was_training = root.training
-    with peer_failures_reported(trainer.global_rank):  # collectives after fit: a dead peer is one line
-        root.eval()
-        with torch.no_grad():
-            reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
-        root.train(was_training)
-        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
+    config = module.model.config
+    reference, state = full_export.reference_and_full_state(trainer, module)
     if not trainer.is_global_zero:
         return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
     model = _peft_on_meta(config, module.model.peft_config[ADAPTER_NAME])
@@ -133,7 +125,7 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     model.load_state_dict(weights, strict=True, assign=True)
     state.clear()
     cfg = module.cfg
-    base_model = cfg.model.name_or_path if cfg.peft.method is not None else None
+    base_model = cfg.model.name_or_path
     report = export_adapter_and_verify(model, tokenizer, out_dir, reference, base_model=base_model, merge=False)
     return {"model_dir": report["adapter_dir"], "export_max_abs_diff": report["max_abs_diff"]}
 

@@ -21,11 +21,10 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -44,6 +43,7 @@ from shardlight.checkpoint.store import (
     complete_checkpoints,
     describe_file,
 )
+from shardlight.collectives import all_gather_objects
 from shardlight.data_loader import SKIP_BATCHES, ResumableDataLoader
 from shardlight.runtime import RunContext
 
@@ -71,14 +71,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _all_gather(obj: Any) -> List[Any]:
-    if not distributed():
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def data_parallel_size(trainer: Any) -> int:
@@ -192,7 +184,7 @@ class CheckpointCallback(Callback):
         mine = list(tmp.glob(f"__{rank}_*.distcp")) + [tmp / extra_name]
         if rank == 0:
             mine.append(tmp / DCP_METADATA)
-        gathered = _all_gather({p.name: describe_file(p) for p in mine})
+        gathered = all_gather_objects({p.name: describe_file(p) for p in mine})
         if rank == 0:
             self._write_hf_files(trainer, pl_module, tmp / HF_DIR)
             files = {k: v for part in gathered for k, v in part.items()}

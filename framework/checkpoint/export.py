@@ -123,7 +123,18 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     """
     run_dir = Path(run_dir)
     model_dir = run_dir / MODEL_DIR
-    config = module.model.config
+    reference, state = reference_and_full_state(trainer, module)
+    if not trainer.is_global_zero:
+        return {"model_dir": str(model_dir), "export_max_abs_diff": None}
+    report = export_and_verify(state, module.model.config, tokenizer, model_dir, reference,
+                               check_file=run_dir / EXPORT_CHECK_FILE,
+                               trust_remote_code=module.cfg.model.trust_remote_code)
+    return {"model_dir": str(model_dir), "export_max_abs_diff": report["max_abs_diff"]}
+
+
+def reference_and_full_state(trainer: Any, module: Any) -> tuple:
+    """``(logits, state)``: the live sharded model's logits on the check batch and its full state dict (on rank 0;
+    elsewhere what the strategy returns there). Every rank must call it: both are collectives."""
     strategy = trainer.strategy
     root = strategy.model
     was_training = root.training
@@ -132,16 +143,12 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     with peer_failures_reported(trainer.global_rank):
         root.eval()
         with torch.no_grad():
-            reference = root(input_ids=check_batch(config.vocab_size).to(strategy.root_device)).float().cpu()
+            batch = check_batch(module.model.config.vocab_size).to(strategy.root_device)
+            reference = root(input_ids=batch).float().cpu()
         root.train(was_training)
         # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
-        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else None
-    if not trainer.is_global_zero:
-        return {"model_dir": str(model_dir), "export_max_abs_diff": None}
-    report = export_and_verify(state if state is not None else module.state_dict(), config, tokenizer, model_dir,
-                               reference, check_file=run_dir / EXPORT_CHECK_FILE,
-                               trust_remote_code=module.cfg.model.trust_remote_code)
-    return {"model_dir": str(model_dir), "export_max_abs_diff": report["max_abs_diff"]}
+        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
+    return reference, state
 
 
 # ---------------------------------------------------------------- from a checkpoint

@@ -17,7 +17,7 @@ from shardlight.diagnosis import render_panel, write_report
 from shardlight.diagnosis.run_inputs import RunInputs, load_run_inputs
 from shardlight.errors import ShardlightError, first_line
 from shardlight.files import write_json
-from shardlight.planner.alternatives import alternatives_for_recipe
+from shardlight.planner.alternatives import alternatives_on_device
 from shardlight.planner.runs import read_metrics
 
 DIAGNOSE_HELP = "say what bounds a run's step time (communication, a straggler, input, memory, host) and what to try"
@@ -42,10 +42,8 @@ def planner_alternatives(inputs: RunInputs) -> tuple:
         from shardlight.recipe import load_recipe
 
         cfg = load_recipe(str(inputs.run_dir / "recipe.yaml"))
-        capacities = [m["capacity_bytes"] for m in inputs.memory.values() if m.get("capacity_bytes")]
-        return alternatives_for_recipe(cfg, build_hf_config(cfg.model),
-                                       device_memory_bytes=min(capacities) if capacities else None), None
-    except Exception as exc:  # noqa: BLE001 - the diagnosis stands without the planner's costing
+        return alternatives_on_device(cfg, build_hf_config(cfg.model), inputs.memory)
+    except Exception as exc:  # noqa: BLE001 - the diagnosis stands without the planner's costing (bad recipe)
         return [], f"planner alternatives unavailable ({first_line(exc)})"
 
 

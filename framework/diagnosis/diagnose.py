@@ -36,7 +36,7 @@ def missing_from(analysis: Mapping[str, Any]) -> list:
 def diagnose(analysis: Mapping[str, Any], *, memory: Optional[Mapping] = None,
              throughput: Optional[Mapping[str, Any]] = None, wrap: Optional[Mapping[str, Any]] = None,
              alternatives: Optional[Sequence[Mapping[str, Any]]] = None, config: Config = Config(),
-             micro_batch_size: Optional[int] = None, strategy: Optional[str] = None,
+             micro_batch_size: Optional[int] = None,
              missing_ranks: Sequence[int] = ()) -> Diagnosis:
     """Classify one profiled window. ``analysis``: ``shardlight.trace.analyze_traces``' dict with each rank's
     ``split``; the rest are optional plain data (see ``shardlight.diagnosis.facts``). ``missing_ranks``: ranks
@@ -46,7 +46,7 @@ def diagnose(analysis: Mapping[str, Any], *, memory: Optional[Mapping] = None,
     pct = shares(split)
     missing = sorted(set(missing_from(analysis)) | {int(r) for r in missing_ranks})
     facts = gather_facts(analysis, by_rank, split, pct, config=config, memory=memory, throughput=throughput,
-                         wrap=wrap, alternatives=alternatives, micro_batch_size=micro_batch_size, strategy=strategy,
+                         wrap=wrap, alternatives=alternatives, micro_batch_size=micro_batch_size,
                          missing_ranks=missing)
     firing = [rule for rule in RULES if rule.threshold_key is not None and rule.fires(facts)]
     competing = sorted((r for r in firing if r.competes), key=lambda r: -r.share(facts))

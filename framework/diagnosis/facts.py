@@ -64,7 +64,6 @@ class Facts:
     wrap: Optional[Dict[str, Any]] = None
     alternatives: List[Dict[str, Any]] = field(default_factory=list)
     micro_batch_size: Optional[int] = None
-    strategy: Optional[str] = None
     collectives: Dict[str, Dict[str, float]] = field(default_factory=dict)
     bandwidth: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     straggler: Optional[Straggler] = None
@@ -174,13 +173,13 @@ def gather_facts(analysis: Mapping[str, Any], by_rank: Dict[int, Dict[str, float
                  shares: Dict[str, float], *, config: Config, memory: Optional[Mapping] = None,
                  throughput: Optional[Mapping[str, Any]] = None, wrap: Optional[Mapping[str, Any]] = None,
                  alternatives: Optional[Sequence[Mapping[str, Any]]] = None, micro_batch_size: Optional[int] = None,
-                 strategy: Optional[str] = None, missing_ranks: Sequence[int] = ()) -> Facts:
+                 missing_ranks: Sequence[int] = ()) -> Facts:
     summary = analysis.get("summary") or {}
     mem = normalize_memory(memory)
     return Facts(
         split=split, by_rank=by_rank, shares=shares, config=config, memory=mem,
         throughput=dict(throughput) if throughput else None, wrap=dict(wrap) if wrap else None,
-        alternatives=[dict(a) for a in alternatives or []], micro_batch_size=micro_batch_size, strategy=strategy,
+        alternatives=[dict(a) for a in alternatives or []], micro_batch_size=micro_batch_size,
         collectives=collectives_per_step(analysis, by_rank), bandwidth=dict(summary.get("bandwidth") or {}),
         straggler=find_straggler(by_rank, config.straggler_pct), fullest=fullest_rank(mem),
         missing_ranks=sorted(int(r) for r in missing_ranks),

@@ -53,7 +53,7 @@ class RunInputs:
         return diagnose(self.analysis, memory=self.memory or None, throughput=self.throughput, wrap=self.wrap,
                         alternatives=alternatives, config=config or self.config,
                         micro_batch_size=self.settings.get("micro_batch_size"),
-                        strategy=self.settings.get("strategy"), missing_ranks=self.missing_ranks)
+                        missing_ranks=self.missing_ranks)
 
 
 def _has_traces(directory: Path) -> bool:

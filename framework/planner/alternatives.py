@@ -10,8 +10,9 @@ measured communication by ``comm_change_fraction``; it does not import the plann
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from shardlight.errors import first_line
 from shardlight.planner.estimate import parse_memory
 from shardlight.planner.plan import (
     ClusterOptions,
@@ -93,3 +94,14 @@ def alternatives_for_recipe(cfg: RecipeConfig, hf_config: Any, *,
     return alternatives_from_plan(plan, strategy=current_strategy(cfg),
                                   activation_checkpointing=bool(cfg.fsdp.activation_checkpointing),
                                   cpu_offload=bool(cfg.fsdp.cpu_offload or cfg.fsdp.offload_params))
+
+
+def alternatives_on_device(cfg: RecipeConfig, hf_config: Any,
+                           memory: Dict[int, Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], Optional[str]]:
+    """``(alternatives, note)`` for the device a run had (``memory``: rank -> its ``capacity_bytes``, the
+    smallest is planned for): the rows, or none and why. Never raises: a verdict stands without the costing."""
+    capacities = [m["capacity_bytes"] for m in memory.values() if m.get("capacity_bytes")]
+    try:
+        return alternatives_for_recipe(cfg, hf_config, device_memory_bytes=min(capacities, default=None)), None
+    except Exception as exc:  # noqa: BLE001
+        return [], f"planner alternatives unavailable ({first_line(exc)})"

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from shardlight.collectives import all_gather_objects
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import apply_tensor_parallel, data_parallel_mesh, parallel_mesh
 from shardlight.strategy.wrapping import block_modules, unit_modules, wrap_report
@@ -77,19 +78,9 @@ def apply_fsdp2(model: nn.Module, resolved: ResolvedFSDP, mesh: Any) -> Tuple[nn
     fully_shard(model, **kwargs)
     if dims is not None:
         report["params_this_rank"] = sum(_local(p).numel() for p in model.parameters())
-        report["params_per_rank"] = _gathered(report["params_this_rank"])
+        # uneven shards: FSDP pads the last rank's, TP splits whole heads
+        report["params_per_rank"] = [int(v) for v in all_gather_objects(report["params_this_rank"])]
     return model, report
-
-
-def _gathered(value: int) -> List[int]:
-    """``value`` of every rank, by rank (uneven shards: FSDP pads the last rank's, TP splits whole heads)."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return [value]
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return [int(v) for v in values]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
