@@ -35,8 +35,15 @@ lint: setup
 	cp -r framework $(LINT_SITE)/shardlight && cp -r callbacks launch recipes $(LINT_SITE)/shardlight/
 	PYTHONPATH=$(LINT_SITE) $(BIN)/lint-imports
 
+# Every benchmark appends its JSON line to $(BENCH_RESULTS) (benchmarks/_harness.py); the table of them ends
+# the run. BENCH=name runs one. Files starting with _ are the harness and helpers, not benchmarks.
+BENCH_RESULTS := build/bench/results.jsonl
+BENCH ?= [a-z]*
 bench: setup
-	@for b in benchmarks/*.py; do echo "# $$b" >&2; $(BIN)/python $$b || exit 1; done
+	@mkdir -p $(dir $(BENCH_RESULTS)) && rm -f $(BENCH_RESULTS)
+	@for b in benchmarks/$(BENCH).py; do echo "# $$b" >&2; \
+		SHARDLIGHT_BENCH_RESULTS=$(abspath $(BENCH_RESULTS)) $(BIN)/python $$b || exit 1; done
+	@$(BIN)/python benchmarks/_harness.py table $(BENCH_RESULTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache build

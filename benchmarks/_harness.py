@@ -1,0 +1,171 @@
+"""The one harness every timing benchmark uses: interleaved A/B pairs, a bootstrap 90% interval of the
+ratio, an A/A noise floor from the same runs, and one JSON line per benchmark.
+
+* **Pairs in ABBA order.** A block is ``baseline, candidate, candidate, baseline``: two pairs whose
+  ratios (candidate / baseline) see the machine's drift from both sides. Blocks repeat until at least
+  ``min_pairs`` pairs ran and the interval's half-width is at most ``half_width`` (1 percentage point),
+  or the time budget or ``max_pairs`` is reached.
+* **The ratio** is the geometric mean of the per-pair ratios; ``ci90`` is the bootstrap percentile
+  interval of that mean (pairs resampled with replacement, a fixed seed, so a rerun of the same numbers
+  gives the same interval).
+* **A/A noise.** Each block runs each arm twice, so the ratio of an arm's second run to its first is
+  an A/A pair at the same spacing as the A/B pairs. ``aa_noise`` is the larger distance of the A/A
+  interval's ends from 1: an A/B effect smaller than it is not resolved on this machine.
+* **holds** is true only when the interval's bound on the wrong side meets the target: ``ci90[1] <=
+  target`` for an upper-bound claim, ``ci90[0] >= target`` for a lower bound.
+
+Each arm is a callable that runs once and returns its metrics (``{"step_s": 0.12, ...}``); the primary
+``metric`` drives the stopping rule and ``holds``, every other metric gets its own ratio and interval
+under ``metrics``. :func:`emit` prints the line and, when ``make bench`` sets ``SHARDLIGHT_BENCH_RESULTS``,
+appends it there; ``python benchmarks/_harness.py table FILE`` prints the table ``make bench`` ends with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+# Set by `make bench` (a process boundary): the file every benchmark appends its JSON line to.
+RESULTS_ENV = "SHARDLIGHT_BENCH_RESULTS"
+Metrics = Dict[str, float]
+
+
+def interval(ratios: Sequence[float], confidence: float = 0.90, resamples: int = 4000,
+             seed: int = 0) -> tuple[float, float, float]:
+    """(geometric mean, lo, hi): the bootstrap percentile interval of the geometric mean of ``ratios``."""
+    if not ratios:
+        raise ValueError("no ratios")
+    logs = [math.log(r) for r in ratios]
+    center = math.exp(statistics.fmean(logs))
+    if len(logs) == 1:
+        return center, center, center
+    rng = random.Random(seed)
+    n = len(logs)
+    means = sorted(statistics.fmean(rng.choices(logs, k=n)) for _ in range(resamples))
+    tail = (1.0 - confidence) / 2.0
+    lo = means[int(math.floor(tail * (resamples - 1)))]
+    hi = means[int(math.ceil((1.0 - tail) * (resamples - 1)))]
+    return center, math.exp(lo), math.exp(hi)
+
+
+def holds(ci90: Sequence[float], target: float, bound: str) -> bool:
+    """A claim holds when the interval's bound on the wrong side meets the target."""
+    if bound == "upper":
+        return ci90[1] <= target
+    if bound == "lower":
+        return ci90[0] >= target
+    if bound == "equal":
+        return ci90[0] == ci90[1] == target
+    raise ValueError(f"bound must be upper, lower or equal, not {bound!r}")
+
+
+def machine() -> str:
+    """The machine a figure ran on, in words (the README quotes it with the figure)."""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} " \
+           f"{platform.python_version()}"
+
+
+def _stats(ratios: List[float]) -> Dict[str, Any]:
+    center, lo, hi = interval(ratios)
+    return {"ratio": round(center, 4), "ci90": [round(lo, 4), round(hi, 4)]}
+
+
+def compare(name: str, *, baseline: Callable[[], Metrics], candidate: Callable[[], Metrics], metric: str,
+            target: float, bound: str = "upper", min_pairs: int = 8, max_pairs: int = 40,
+            half_width: float = 0.01, budget_s: float = 600.0, log: Optional[Callable[[str], None]] = None,
+            ) -> Dict[str, Any]:
+    """Run ABBA blocks of ``baseline`` and ``candidate`` and return the benchmark's result (see the module
+    docstring). ``ratio`` is candidate / baseline of ``metric``."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    runs: Dict[str, List[Metrics]] = {"baseline": [], "candidate": []}
+    pairs: List[tuple[Metrics, Metrics]] = []  # (baseline, candidate)
+    aa: Dict[str, List[float]] = {}  # metric -> second run / first run of the same arm, both arms
+    start = time.perf_counter()
+    block_s = 0.0
+    while True:
+        block_start = time.perf_counter()
+        a1 = baseline()
+        b1 = candidate()
+        b2 = candidate()
+        a2 = baseline()
+        block_s = time.perf_counter() - block_start
+        runs["baseline"] += [a1, a2]
+        runs["candidate"] += [b1, b2]
+        pairs += [(a1, b1), (a2, b2)]
+        for key in a1:
+            if key in b1:
+                aa.setdefault(key, []).extend([a2[key] / a1[key], b2[key] / b1[key]])
+        ratios = [b[metric] / a[metric] for a, b in pairs]
+        center, lo, hi = interval(ratios)
+        elapsed = time.perf_counter() - start
+        log(f"  {name}: {len(pairs)} pairs, ratio {center:.4f} [{lo:.4f}, {hi:.4f}] ({elapsed:.0f} s)")
+        if len(pairs) >= min_pairs and ((hi - lo) / 2 <= half_width or elapsed + block_s > budget_s):
+            break
+        if len(pairs) >= max_pairs:
+            break
+    aa_stats = _stats(aa[metric])
+    result: Dict[str, Any] = {
+        "benchmark": name,
+        "metric": metric,
+        **_stats(ratios),
+        "pairs": len(pairs),
+        "aa_ratio": aa_stats["ratio"],
+        "aa_ci90": aa_stats["ci90"],
+        "aa_noise": round(max(aa_stats["ci90"][1] - 1.0, 1.0 - aa_stats["ci90"][0]), 4),
+        "target": target,
+        "bound": bound,
+    }
+    result["holds"] = holds(result["ci90"], target, bound)
+    result["metrics"] = {key: _stats([b[key] / a[key] for a, b in pairs]) for key in runs["baseline"][0]
+                         if key != metric and all(key in b for _, b in pairs)}
+    result["medians"] = {arm: {key: round(statistics.median(r[key] for r in arm_runs), 6) for key in arm_runs[0]}
+                         for arm, arm_runs in runs.items()}
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    result["machine"] = machine()
+    return result
+
+
+def exact(name: str, *, value: float, target: float, **extra: Any) -> Dict[str, Any]:
+    """A benchmark that counts rather than times (bytes per step, say): its interval is the point."""
+    return {"benchmark": name, "ratio": value, "ci90": [value, value], "pairs": 1, "aa_noise": 0.0,
+            "target": target, "bound": "equal", "holds": value == target, **extra, "machine": machine()}
+
+
+def emit(result: Dict[str, Any]) -> None:
+    """Print the benchmark's JSON line; append it to ``$SHARDLIGHT_BENCH_RESULTS`` when ``make bench`` runs."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+def table(lines: Sequence[Dict[str, Any]]) -> str:
+    """The summary ``make bench`` prints: one row per benchmark line."""
+    rows = [["benchmark", "ratio", "ci90", "pairs", "aa_noise", "target", "holds"]]
+    for r in lines:
+        ci = r.get("ci90")
+        bound = {"upper": "<=", "lower": ">=", "equal": "=="}.get(r.get("bound", ""), "")
+        rows.append([str(r.get("benchmark")), f"{r.get('ratio')}", f"[{ci[0]}, {ci[1]}]" if ci else "-",
+                     str(r.get("pairs", "-")), str(r.get("aa_noise", "-")),
+                     f"{bound} {r.get('target')}" if r.get("target") is not None else "-",
+                     str(r.get("holds", "-")).lower()])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "table":
+        results = [json.loads(line) for line in Path(sys.argv[2]).read_text().splitlines() if line.strip()]
+        print(table(results))
+    else:
+        sys.exit("usage: python benchmarks/_harness.py table RESULTS.jsonl")
