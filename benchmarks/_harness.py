@@ -78,6 +78,11 @@ def _stats(ratios: List[float]) -> Dict[str, Any]:
     return {"ratio": round(center, 4), "ci90": [round(lo, 4), round(hi, 4)]}
 
 
+def _noise(ci90: Sequence[float]) -> float:
+    """The A/A interval's larger distance from 1."""
+    return round(max(ci90[1] - 1.0, 1.0 - ci90[0]), 4)
+
+
 def compare(name: str, *, baseline: Callable[[], Metrics], candidate: Callable[[], Metrics], metric: str,
             target: float, bound: str = "upper", min_pairs: int = 8, max_pairs: int = 40,
             half_width: float = 0.01, budget_s: float = 600.0, log: Optional[Callable[[str], None]] = None,
@@ -119,13 +124,17 @@ def compare(name: str, *, baseline: Callable[[], Metrics], candidate: Callable[[
         "pairs": len(pairs),
         "aa_ratio": aa_stats["ratio"],
         "aa_ci90": aa_stats["ci90"],
-        "aa_noise": round(max(aa_stats["ci90"][1] - 1.0, 1.0 - aa_stats["ci90"][0]), 4),
+        "aa_noise": _noise(aa_stats["ci90"]),
         "target": target,
         "bound": bound,
     }
     result["holds"] = holds(result["ci90"], target, bound)
-    result["metrics"] = {key: _stats([b[key] / a[key] for a, b in pairs]) for key in runs["baseline"][0]
-                         if key != metric and all(key in b for _, b in pairs)}
+    result["metrics"] = {}
+    for key in runs["baseline"][0]:
+        if key != metric and key in aa and all(key in b for _, b in pairs):
+            stats = _stats([b[key] / a[key] for a, b in pairs])
+            stats["aa_noise"] = _noise(_stats(aa[key])["ci90"])
+            result["metrics"][key] = stats
     result["medians"] = {arm: {key: round(statistics.median(r[key] for r in arm_runs), 6) for key in arm_runs[0]}
                          for arm, arm_runs in runs.items()}
     result["wall_s"] = round(time.perf_counter() - start, 1)

@@ -1,11 +1,32 @@
-"""shardlight's training step vs a hand-written raw torch FSDP loop: same model, data, settings
-(FSDP1 FULL_SHARD, one unit per decoder block, BACKWARD_PRE, AdamW, global-norm clipping), 2 gloo ranks,
-run alternately in one invocation. Step time = the median over steps after warm-up of the slower rank,
-timed from batch in hand to optimizer step done.
+"""shardlight vs a hand-written raw torch FSDP loop (``benchmarks/_raw_fsdp_loop.py``): the training step and
+the start-up, 2 gloo ranks, on the harness (``benchmarks/_harness.py``: ABBA pairs, ci90, A/A noise).
 
-Prints one JSON line; ``ratio`` = shardlight step time / raw step time (target <= 1.03).
+Arms, each one fresh process tree per run:
+
+* baseline: the raw loop: same model (a 4-block Llama, hidden 256), micro-batch 4 x 128 tokens, FSDP1
+  FULL_SHARD per decoder block, BACKWARD_PRE, AdamW + warm-up/cosine, clipping at 1.0;
+* candidate: ``shardlight train`` (the real CLI, through ``_timed_train.py``) with the same model and
+  settings and the default recipe's everything else: its data pipeline, Lightning's loop, logging, the
+  memory and throughput callbacks and the progress bar. Left out: the comm callback (its own benchmark,
+  ``comm_callback_overhead``), W&B (no network; the CSV logger stays), validation and checkpoints (not in
+  a step).
+
+Metrics per run: ``step_s``, the median over steps after warm-up of the slower rank, batch in hand to
+optimizer step done; ``loop_step_s``, wall per optimizer step over the loop after warm-up (end of the
+warm-up step to end of the last, over the slower rank: what a user waits for, Lightning's loop and every
+hook included); ``startup_s``, launch (the benchmark's ``Popen``) to the first optimizer step done.
+
+Two JSON lines: ``strategy_overhead`` (``step_s``, target <= 1.02, with ``loop_step_s`` under metrics) and
+``startup`` (``startup_s``, target <= 1.5, with where the time goes: each arm's median seconds from launch
+to rank 0's marks (imports done, preflight done, process group up, wrapped, first step), and ``python -X
+importtime``'s seconds per top-level package for shardlight's training path).
+
+    python benchmarks/strategy_overhead.py [--pairs N] [--budget-s S] [--steps N]
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import statistics
@@ -15,133 +36,114 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-STEPS, WARMUP, ROUNDS = 30, 5, 2
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _harness import compare, emit, holds  # noqa: E402
+
+WARMUP = 5
+MICRO_BATCH, SEQ_LEN = 4, 128
 MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 688,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
          "max_position_embeddings": 512, "tie_word_embeddings": False}
-OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0", "trainer.progress_bar=false",
-             "trainer.micro_batch_size=4", "data.seq_len=128", "logging.wandb.enabled=false", "logging.csv=false",
-             "callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false",
-             "trainer.log_every_n_steps=10"] + [f"model.config.{k}={v}" for k, v in MODEL.items() if k != "model_type"]
+MARKS = ("imports", "preflight", "fit", "wrapped", "first_step")
 
 
-def shardlight_worker(out: Path) -> None:
-    import lightning.pytorch as pl
-
-    from shardlight.build import build_datamodule, build_module, build_trainer
-    from shardlight.preflight import preflight
-    from shardlight.recipe import load_recipe
-    from shardlight.runtime import RunContext
-    from shardlight.train import resolve_run_dir
-
-    class StepTimer(pl.Callback):
-        def __init__(self):
-            self.times, self.start = [], 0.0
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter() - self.start)
-
-    cfg = load_recipe(None, OVERRIDES + [f"output_dir={out}"])
-    tokenizer = preflight(cfg)
-    pl.seed_everything(cfg.trainer.seed, verbose=False)
-    ctx = RunContext.from_env()
-    ctx = ctx.replace(run_dir=resolve_run_dir(ctx, cfg))
-    ctx.export()
-    trainer = build_trainer(cfg, ctx)
-    timer = StepTimer()
-    trainer.callbacks.append(timer)
-    trainer.fit(build_module(cfg), datamodule=build_datamodule(cfg, tokenizer))
-    (out / f"times-{trainer.global_rank}.json").write_text(json.dumps(timer.times))
+def shardlight_args(steps: int, out: Path) -> list:
+    return [f"output_dir={out}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+            f"trainer.val_every_n_steps={steps}", f"trainer.micro_batch_size={MICRO_BATCH}",
+            f"data.seq_len={SEQ_LEN}", "logging.wandb.enabled=false", "callbacks.comm.enabled=false",
+            "checkpoint.enabled=false", "fsdp.backward_prefetch=BACKWARD_PRE", "fsdp.use_orig_params=true"] + [
+        f"model.config.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODEL.items()
+        if k != "model_type"]
 
 
-def raw_rank(rank: int, out: Path) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torch.utils.data import DataLoader, DistributedSampler
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from shardlight.build import build_tokenizer
-    from shardlight.data import SFTDataModule
-    from shardlight.recipe import load_recipe
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
-    cfg = load_recipe(None, OVERRIDES)
-    datamodule = SFTDataModule(cfg, build_tokenizer(cfg))
-    datamodule.setup("fit")
-    sampler = DistributedSampler(datamodule.train_dataset, num_replicas=2, rank=rank, shuffle=True, seed=1234)
-    loader = DataLoader(datamodule.train_dataset, batch_size=4, sampler=sampler, drop_last=True)
-    torch.manual_seed(1234)
-    spec = dict(MODEL)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec),
-                                             attn_implementation="sdpa")
-    model = FullyShardedDataParallel(
-        model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=ShardingStrategy.FULL_SHARD,
-        device_id=torch.device("cpu"), use_orig_params=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        limit_all_gathers=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    times = []
-    for _, batch in zip(range(STEPS), loader):
-        start = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-        labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                                 ignore_index=-100)
-        loss.backward()
-        model.clip_grad_norm_(1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    (out / f"times-{rank}.json").write_text(json.dumps(times))
-    dist.destroy_process_group()
-
-
-def measure(mode: str, out: Path) -> float:
-    out.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    for key in ("LOCAL_RANK", "SHARDLIGHT_RUN_DIR"):
+def _env(times: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", SHARDLIGHT_BENCH_TIMES=str(times))
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "SHARDLIGHT_RUN_DIR", "SHARDLIGHT_BENCH_RESULTS"):
         env.pop(key, None)
-    result = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True)
+    return env
+
+
+def run_once(arm: str, steps: int, tmp: Path, counter: list) -> dict:
+    """One run of an arm in a fresh process tree; its metrics."""
+    counter[0] += 1
+    out = tmp / f"{arm}-{counter[0]}"
+    times = out / "times"
+    if arm == "raw":
+        command = [sys.executable, str(REPO / "benchmarks" / "_raw_fsdp_loop.py"), str(times), str(steps),
+                   json.dumps(MODEL), str(MICRO_BATCH), str(SEQ_LEN), str(29500 + counter[0] % 400)]
+    else:
+        command = [sys.executable, str(REPO / "benchmarks" / "_timed_train.py"), "train",
+                   *shardlight_args(steps, out)]
+    launch = time.time()
+    result = subprocess.run(command, env=_env(times), capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
-        sys.exit(f"{mode} run failed: {result.stderr[-2000:]}")
-    per_rank = [json.loads(p.read_text())[WARMUP:] for p in sorted(out.glob("times-*.json"))]
-    return statistics.median(max(step) for step in zip(*per_rank))
+        sys.exit(f"strategy_overhead: the {arm} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(times.glob("timing-rank*.json"))]
+    if len(ranks) != 2:
+        sys.exit(f"strategy_overhead: the {arm} run wrote {len(ranks)} timing files, not 2")
+    step = statistics.median(max(per_rank) for per_rank in zip(*(r["steps"][WARMUP:] for r in ranks)))
+    loop = max((r["ends"][-1] - r["ends"][WARMUP - 1]) / (len(r["ends"]) - WARMUP) for r in ranks)
+    metrics = {"step_s": step, "loop_step_s": loop,
+               "startup_s": max(r["marks"]["first_step"] for r in ranks) - launch}
+    for mark in MARKS:  # where the start-up goes: launch -> each mark on rank 0, the launching process
+        if mark in ranks[0]["marks"]:
+            metrics[f"to_{mark}_s"] = ranks[0]["marks"][mark] - launch
+    return metrics
 
 
-def main() -> None:
-    results = {"shardlight": [], "raw": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_index in range(ROUNDS):
-            for mode in ("raw", "shardlight"):
-                results[mode].append(measure(f"--{mode}", Path(tmp) / f"{mode}-{round_index}"))
-    shardlight, raw = min(results["shardlight"]), min(results["raw"])
-    print(json.dumps({
-        "benchmark": "strategy_overhead",
-        "shardlight_step_s": round(shardlight, 5),
-        "raw_fsdp_step_s": round(raw, 5),
-        "ratio": round(shardlight / raw, 4),
-        "target_ratio": 1.03,
-        "rounds": results,
-    }))
+def import_costs(top: int = 8) -> dict:
+    """``python -X importtime -c 'import shardlight.train'``: seconds of import per top-level package (the sum
+    of its modules' own times), the largest ``top``."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import shardlight.train"],
+                            env=_env(Path(tempfile.gettempdir())), capture_output=True, text=True, cwd=REPO)
+    costs: dict = {}
+    for line in result.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) != 3 or not parts[0].split(":")[-1].strip().isdigit():
+            continue
+        package = parts[2].strip().split(".")[0]
+        costs[package] = costs.get(package, 0) + int(parts[0].split(":")[-1]) / 1e6
+    return {name: round(s, 2) for name, s in sorted(costs.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
+    parser.add_argument("--max-pairs", type=int, default=24)
+    parser.add_argument("--budget-s", type=float, default=900.0, help="stop adding pairs after this long")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the first 5 are warm-up)")
+    args = parser.parse_args(argv)
+    counter = [0]
+    with tempfile.TemporaryDirectory(prefix="strategy_overhead_") as tmp:
+        result = compare("strategy_overhead", baseline=lambda: run_once("raw", args.steps, Path(tmp), counter),
+                         candidate=lambda: run_once("shardlight", args.steps, Path(tmp), counter),
+                         metric="step_s", target=1.02, bound="upper", min_pairs=args.pairs,
+                         max_pairs=max(args.pairs, args.max_pairs), budget_s=args.budget_s)
+    startup = dict(result)
+    startup_metrics = {k: v for k, v in result["metrics"].items()}
+    step_stats = startup_metrics.pop("startup_s")
+    step_result = {k: v for k, v in result.items() if k != "medians"}
+    step_result["metrics"] = {"loop_step_s": result["metrics"]["loop_step_s"]}
+    step_result["raw_step_s"] = result["medians"]["baseline"]["step_s"]
+    step_result["shardlight_step_s"] = result["medians"]["candidate"]["step_s"]
+    step_result["steps"], step_result["warmup"] = args.steps, WARMUP
+    emit(step_result)
+    # The start-up line: the same pairs, its own metric (aa noise of this metric from the same runs).
+    startup.update(benchmark="startup", metric="startup_s", ratio=step_stats["ratio"], ci90=step_stats["ci90"],
+                   target=1.5, bound="upper")
+    startup["holds"] = holds(step_stats["ci90"], 1.5, "upper")
+    startup["aa_noise"] = step_stats["aa_noise"]
+    startup.pop("aa_ratio"), startup.pop("aa_ci90")
+    startup["where_s"] = {arm: {k: v for k, v in medians.items() if k.startswith("to_") or k == "startup_s"}
+                          for arm, medians in result["medians"].items()}
+    startup["imports_s"] = import_costs()
+    startup.pop("metrics"), startup.pop("medians")
+    emit(startup)
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--shardlight":
-        shardlight_worker(Path(sys.argv[2]))
-    elif len(sys.argv) == 3 and sys.argv[1] == "--raw":
-        import torch.multiprocessing as mp
-
-        mp.spawn(raw_rank, args=(Path(sys.argv[2]),), nprocs=2)
-    else:
-        main()
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""`shardlight train ARGS` with a step timer and start-up marks, for the timing benchmarks.
+
+The real CLI runs unchanged; a Lightning callback is added to the callbacks the builder makes, and the
+preflight is wrapped to time it. Lightning's launcher re-executes this script for the other ranks, so every
+rank writes ``timing-rank{R}.json`` into ``$SHARDLIGHT_BENCH_TIMES`` (a process boundary: the benchmark
+sets it):
+
+* ``steps``: seconds from batch in hand (``on_train_batch_start``) to optimizer step done
+  (``on_train_batch_end``), per optimizer step;
+* ``ends``: ``time.time()`` at each step's end (the loop's wall per step comes from these);
+* ``marks``: ``time.time()`` at: ``start`` (this script's first line), ``imports`` (torch, Lightning,
+  transformers and shardlight's training path imported), ``preflight`` (done), ``fit`` (the callbacks'
+  ``setup``: the process group is up, the model not yet wrapped), ``wrapped`` (``on_train_start``: FSDP
+  wrapped, optimizer built), ``first_step`` (the first optimizer step done).
+"""
+
+import time
+
+START = time.time()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as pl  # noqa: E402
+
+import shardlight.build.trainer as trainer_builder  # noqa: E402
+import shardlight.train as train_module  # noqa: E402
+from shardlight.cli import main  # noqa: E402
+
+TIMES_ENV = "SHARDLIGHT_BENCH_TIMES"
+MARKS = {"start": START, "imports": time.time()}
+
+
+class StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.steps: list = []
+        self.ends: list = []
+        self._start = 0.0
+
+    def setup(self, trainer, pl_module, stage):
+        MARKS.setdefault("fit", time.time())
+
+    def on_train_start(self, trainer, pl_module):
+        MARKS["wrapped"] = time.time()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(time.perf_counter() - self._start)
+        self.ends.append(time.time())
+        MARKS.setdefault("first_step", self.ends[-1])
+
+    def on_train_end(self, trainer, pl_module):
+        out = os.environ.get(TIMES_ENV)
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            record = {"steps": self.steps, "ends": self.ends, "marks": MARKS}
+            (Path(out) / f"timing-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+_build_callbacks = trainer_builder.build_callbacks
+_preflight = train_module.preflight
+
+
+def _with_timer(cfg, ctx):
+    return _build_callbacks(cfg, ctx) + [StepTimer()]
+
+
+def _timed_preflight(*args, **kwargs):
+    result = _preflight(*args, **kwargs)
+    MARKS["preflight"] = time.time()
+    return result
+
+
+trainer_builder.build_callbacks = _with_timer
+train_module.preflight = _timed_preflight
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
