@@ -1,21 +1,37 @@
-"""Overhead of the comm callback (``callbacks.comm``), amortized at its interval.
+"""Overhead of the comm callback (``callbacks.comm``) on training, on the harness (``benchmarks/_harness.py``:
+ABBA pairs, ci90, A/A noise).
 
-Trains the default recipe (2 gloo ranks, FULL_SHARD) with the comm callback on at its default interval
-and a step timer on every rank. A window's overhead is the wall time of the steps it touches (recorded
-steps, export, analysis, cross-rank gather) above the median time of the steps outside windows; it is
-amortized over the interval:
+Arms, each one fresh process tree per run (this script in ``--run`` mode, 2 gloo ranks, FULL_SHARD): the
+default recipe trained for ``--steps`` (160: windows at 5, 50, 100 and 150, each gathered inside the loop) with
+a step timer on every rank, validation and checkpoints off (not in a step), W&B off (the CSV logger stays):
 
-    ratio = median overhead of the periodic windows / (every_n_steps * mean step time outside windows)
+* ``--arms off-on`` (the default): baseline ``callbacks.comm.enabled=false``, candidate ``true`` (its default
+  interval and window);
+* ``--arms file-live``: both arms with the callback on; baseline analyses each window the way it did before
+  ``shardlight.trace.live`` (export the chrome trace, then parse it back with ``analyze_trace_file``), the
+  candidate as it does now (from the profiler's memory, the trace written after): the effect of that change.
 
-(``ratio_mean_of_windows`` uses their mean; the early window's one-time profiler start-up is reported
-as ``first_window_overhead_ms``.)
+Metrics per run (the timer: wall time from one optimizer step's end to the next, every hook included):
 
-Target: ratio <= 0.02 at the default interval. Prints one JSON line, e.g.
-``{"ratio": 0.011, "every_n_steps": 50, "windows": 3, "mean_step_ms": 130.2, ...}``.
+* ``loop_step_s`` (primary): wall per optimizer step over the loop after warm-up (end of step ``WARMUP`` to end
+  of the last step, over the slower rank): what a user waits for; the windows' cost shows up here (not in a
+  median), the early window at step 5 included;
+* ``step_s``: the median over steps after warm-up of the slower rank's step time.
 
-    python benchmarks/comm_callback_overhead.py [--steps N] [--every-n-steps N] [key=value ...]
+Target: ``loop_step_s`` ratio <= 1.01 (upper bound). The line also carries the old amortized figure of the
+windows, from rank 0's step times of the runs with windows (the candidate arm; with ``file-live`` each arm's,
+the keys prefixed ``baseline_`` / ``candidate_``):
+``window_overhead_ms`` (the wall time of the steps a periodic window touches above the median of the steps
+near it, median over windows and runs; ``first_window_overhead_ms`` for the early one) and ``amortized_ratio``
+(that / (``every_n_steps`` * mean step time)); ``loop_cost_per_window_ms`` (the arms' median ``loop_step_s``
+difference times the measured steps, over the windows in them); and ``<arm>_window_work_ms``: a window's
+background thread, median over windows, ranks and runs: wall and CPU milliseconds to its analysis
+(``analysis_ms``, what the gather waits for) and in all (``thread_ms``, the trace export included).
 
-(Lightning re-runs this script in each rank's process; ranks other than 0 print nothing.)
+    python benchmarks/comm_callback_overhead.py [--pairs N] [--max-pairs N] [--budget-s S] [--steps N]
+        [--arms off-on|file-live] [key=value ...]
+
+Without ``--pairs``/``--budget-s`` the harness's stopping rule decides (8 to 40 pairs, 1500 s budget).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,125 +48,243 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from _harness import compare, emit  # noqa: E402
 
+WARMUP = 3  # steps before the measured loop (the early window, at step 5, is inside it)
 TIMES_FILE = "step_times_rank{rank}.json"
+WORK_FILE = "window_work_rank{rank}.json"
+WORK: list = []  # per window of this rank: seconds to its analysis, and of its whole background thread
+ARMS = {"off-on": ("comm off", "comm on"), "file-live": ("file analysis", "live analysis")}
 
 
-class StepTimer(Callback):
-    """Wall time of every optimizer step (batch end to batch end), validation excluded."""
+# --- one run (``--run``: this process is rank 0; Lightning re-runs it as rank 1) ---------------------------------
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.times: dict = {}
-        self._last = None
-        self._paused = 0.0
-        self._val = None
+def _step_timer(run_dir: Path):
+    from lightning.pytorch.callbacks import Callback
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times[trainer.global_step] = now - self._last - self._paused
-        self._last, self._paused = now, 0.0
+    class StepTimer(Callback):
+        """``time.perf_counter()`` at every optimizer step's end; validation time is taken out."""
 
-    def on_validation_start(self, trainer, pl_module):
-        self._val = time.perf_counter()
+        def __init__(self) -> None:
+            self.ends: dict = {}
+            self._paused = 0.0
+            self._val = None
 
-    def on_validation_end(self, trainer, pl_module):
-        if self._val is not None and self._last is not None:
-            self._paused += time.perf_counter() - self._val
-        self._val = None
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends[trainer.global_step] = time.perf_counter() - self._paused
 
-    def on_train_end(self, trainer, pl_module):
-        path = self.run_dir / TIMES_FILE.format(rank=trainer.global_rank)
-        path.write_text(json.dumps(self.times))
+        def on_validation_start(self, trainer, pl_module):
+            self._val = time.perf_counter()
 
+        def on_validation_end(self, trainer, pl_module):
+            if self._val is not None:
+                self._paused += time.perf_counter() - self._val
+            self._val = None
 
-def overhead(times: dict, windows: list, touched_steps: int, every_n_steps: int, first_step=None) -> dict:
-    """The amortized ratio from step times (step -> seconds) and window start steps.
+        def on_train_end(self, trainer, pl_module):
+            (run_dir / TIMES_FILE.format(rank=trainer.global_rank)).write_text(json.dumps(self.ends))
+            (run_dir / WORK_FILE.format(rank=trainer.global_rank)).write_text(json.dumps(WORK))
 
-    A window touches steps start+1 .. start+touched_steps: the recorded steps (the last one exports
-    the trace), the steps its background analysis overlaps and the one that gathers the results.
-    The early window (``first_step``) also pays the profiler's one-time start-up; it is reported on
-    its own, and the ratio is that of the periodic windows (those at multiples of the interval).
-    """
-    touched = set()
-    for start in windows:
-        touched.update(range(start + 1, start + touched_steps + 1))
-    steps = sorted(int(s) for s in times)
-    normal = [times[s] for s in steps if s not in touched and s > 2]
-    median = statistics.median(normal)
-    mean = statistics.fmean(normal)
-    costs = {}
-    for start in windows:
-        # Baseline: the untouched steps around the window (the machine's speed drifts during a run).
-        near = [times[s] for s in range(start - 12, start + touched_steps + 13)
-                if s in times and s not in touched and s > 2]
-        local = statistics.median(near) if len(near) >= 5 else median
-        costs[start] = sum(times[s] - local for s in range(start + 1, start + touched_steps + 1) if s in times)
-    periodic = [c for start, c in costs.items() if start != first_step] or list(costs.values())
-    # The median window: other processes on a shared machine only ever add spikes to a window.
-    per_window = statistics.median(periodic) if periodic else 0.0
-    return {
-        "ratio": round(per_window / (every_n_steps * mean), 5),
-        "ratio_mean_of_windows": round(statistics.fmean(periodic) / (every_n_steps * mean), 5) if periodic else 0.0,
-        "every_n_steps": every_n_steps,
-        "windows": len(windows),
-        "window_overhead_ms": {str(s): round(1e3 * c, 1) for s, c in costs.items()},
-        "first_window_overhead_ms": round(1e3 * costs[first_step], 1) if first_step in costs else None,
-        "mean_step_ms": round(1e3 * mean, 2),
-        "median_step_ms": round(1e3 * median, 2),
-    }
+    return StepTimer()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=260, help="optimizer steps to train")
-    parser.add_argument("--every-n-steps", type=int, default=None, help="comm window interval (default: the recipe's)")
-    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
-    args = parser.parse_args(argv)
+def _file_path_analysis() -> None:
+    """The callback's analysis as it was before the live path: export the trace, parse it back."""
+    import threading
 
+    from shardlight.callbacks import comm
+    from shardlight.trace import analyze_trace_file
+
+    def analyse(self, window, prof):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            prof.export_chrome_trace(str(window["file"]))
+            result = analyze_trace_file(window["file"], payload=True)
+            window["result"] = {"metrics": comm.window_metrics(result, window["seconds"], self.tp_size),
+                                "analysis": result}
+        except Exception as exc:  # noqa: BLE001
+            window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
+        finally:
+            window["analysed"].set()
+
+    comm.CommTimeCallback._analyse = analyse
+
+
+def _time_window_work() -> None:
+    """Time each window's background work: to its analysis (what the gather waits for) and in all."""
+    from shardlight.callbacks import comm
+
+    analyse = comm.CommTimeCallback._analyse
+
+    def timed(self, window, prof):
+        event, start, cpu = window["analysed"], time.perf_counter(), time.thread_time()
+        done = {}
+        real_set = event.set
+
+        def set_():
+            done.setdefault("wall", time.perf_counter() - start)
+            done.setdefault("cpu", time.thread_time() - cpu)
+            real_set()
+
+        event.set = set_
+        analyse(self, window, prof)
+        WORK.append({"analysis_s": done.get("wall"), "analysis_cpu_s": done.get("cpu"),
+                     "thread_s": time.perf_counter() - start, "thread_cpu_s": time.thread_time() - cpu})
+
+    comm.CommTimeCallback._analyse = timed
+
+
+def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import shardlight.build.trainer as trainer_builder
     import shardlight.train as train_mod
     from shardlight.recipe import load_recipe
     from shardlight.runtime import RunContext
 
-    out = Path(os.environ.get("SHARDLIGHT_BENCH_DIR") or tempfile.mkdtemp(prefix="comm_overhead_"))
-    os.environ["SHARDLIGHT_BENCH_DIR"] = str(out)  # the rank processes Lightning starts inherit it
-    overrides = [f"output_dir={out}", f"trainer.max_steps={args.steps}", "trainer.progress_bar=false",
-                 f"trainer.val_every_n_steps={args.steps}", "logging.wandb.enabled=false", *args.overrides]
-    if args.every_n_steps:
-        overrides.append(f"callbacks.comm.every_n_steps={args.every_n_steps}")
-    cfg = load_recipe(None, overrides)
-
-    import shardlight.build.trainer as trainer_builder
-
+    if file_analysis:
+        _file_path_analysis()
+    _time_window_work()
+    cfg = load_recipe(None, [f"output_dir={out}", f"trainer.max_steps={steps}", "trainer.progress_bar=false",
+                             f"trainer.val_every_n_steps={steps}", "trainer.limit_val_batches=0",
+                             "checkpoint.enabled=false", "logging.wandb.enabled=false", *overrides])
     build = trainer_builder.build_callbacks
+    trainer_builder.build_callbacks = lambda cfg_, ctx_: build(cfg_, ctx_) + [_step_timer(Path(ctx_.run_dir))]
+    summary = train_mod.train(RunContext.from_env(), cfg)
+    if RunContext.from_env().rank == 0:
+        (out / "run.json").write_text(json.dumps({"run_dir": str(summary["run_dir"])}))
+    return 0
 
-    def with_timer(cfg_, ctx_):
-        return build(cfg_, ctx_) + [StepTimer(Path(ctx_.run_dir))]
 
-    trainer_builder.build_callbacks = with_timer
-    ctx = RunContext.from_env()
-    summary = train_mod.train(ctx, cfg)
-    if ctx.rank != 0:
-        return 0
-    run_dir = Path(summary["run_dir"])
-    times = {int(k): v for k, v in json.loads((run_dir / TIMES_FILE.format(rank=0)).read_text()).items()}
-    comm = cfg.callbacks.comm
-    length = comm.wait + comm.warmup + comm.active
-    windows = sorted({s for s in range(1, args.steps) if (s % comm.every_n_steps == 0 or s == comm.first_step)
-                      and s + length <= args.steps})
-    from shardlight.callbacks.comm import CommTimeCallback
+# --- the benchmark -----------------------------------------------------------------------------------------------
 
-    delay = CommTimeCallback(run_dir).gather_delay
-    result = overhead(times, windows, length + delay, comm.every_n_steps, comm.first_step)
-    result["trace_dirs"] = len(list((run_dir / "traces").glob("step_*")))
-    print(json.dumps(result))
+def window_overhead(times: dict, windows: list, touched_steps: int) -> dict:
+    """Per window (start step -> seconds): the wall time of the steps it touches above the median of the
+    untouched steps near it. A window touches steps start+1 .. start+touched_steps: the recorded steps, the
+    steps its background analysis overlaps and the one that gathers the results."""
+    touched = set()
+    for start in windows:
+        touched.update(range(start + 1, start + touched_steps + 1))
+    normal = [times[s] for s in sorted(times) if s not in touched and s > WARMUP]
+    median = statistics.median(normal)
+    costs = {}
+    for start in windows:
+        near = [times[s] for s in range(start - 12, start + touched_steps + 13)
+                if s in times and s not in touched and s > WARMUP]
+        local = statistics.median(near) if len(near) >= 5 else median
+        costs[start] = sum(times[s] - local for s in range(start + 1, start + touched_steps + 1) if s in times)
+    return {"costs": costs, "mean_step_s": statistics.fmean(normal)}
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "SHARDLIGHT_RUN_DIR", "SHARDLIGHT_BENCH_RESULTS",
+                "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+class Bench:
+    def __init__(self, args, tmp: Path) -> None:
+        from shardlight.callbacks.comm import CommTimeCallback
+        from shardlight.recipe import load_recipe
+
+        self.args, self.tmp, self.count = args, tmp, 0
+        comm = load_recipe(None, [f"trainer.max_steps={args.steps}", *args.overrides]).callbacks.comm
+        self.comm = comm
+        self.length = comm.wait + comm.warmup + comm.active
+        self.delay = CommTimeCallback(tmp).gather_delay
+        self.windows = sorted({s for s in range(1, args.steps) if (s % comm.every_n_steps == 0 or s == comm.first_step)
+                               and s + self.length <= args.steps})
+        # arm -> {"periodic": [window costs], "first": [...], "mean_step_s": [per run]} of the runs with windows
+        self.overheads: dict = {}
+        self.work: dict = {}  # arm -> every window's background work, all ranks and runs
+
+    def run_once(self, arm: str) -> dict:
+        self.count += 1
+        out = self.tmp / f"{arm}-{self.count}"
+        out.mkdir()
+        comm_on = self.args.arms == "file-live" or arm == "candidate"
+        file_analysis = self.args.arms == "file-live" and arm == "baseline"
+        command = [sys.executable, str(Path(__file__).resolve()), "--run", str(out), "--steps", str(self.args.steps)]
+        if file_analysis:
+            command.append("--file-analysis")
+        command += [*self.args.overrides, f"callbacks.comm.enabled={str(comm_on).lower()}"]
+        result = subprocess.run(command, env=_env(), capture_output=True, text=True, cwd=REPO)
+        if result.returncode != 0:
+            sys.exit(f"comm_callback_overhead: the {arm} run failed (exit {result.returncode}):\n"
+                     f"{result.stderr[-3000:]}")
+        run_dir = Path(json.loads((out / "run.json").read_text())["run_dir"])
+        ranks = [{int(k): v for k, v in json.loads(p.read_text()).items()}
+                 for p in sorted(run_dir.glob(TIMES_FILE.format(rank="*")))]
+        if len(ranks) != 2:
+            sys.exit(f"comm_callback_overhead: the {arm} run wrote {len(ranks)} timing files, not 2")
+        last = min(max(ends) for ends in ranks)
+        measured = range(WARMUP + 1, last + 1)
+        per_step = [max(ends[s] - ends[s - 1] for ends in ranks) for s in measured]
+        loop = max((ends[last] - ends[WARMUP]) / len(measured) for ends in ranks)
+        if comm_on:
+            times = {s: ranks[0][s] - ranks[0][s - 1] for s in ranks[0] if s - 1 in ranks[0]}
+            found = window_overhead(times, self.windows, self.length + self.delay)
+            mine = self.overheads.setdefault(arm, {"periodic": [], "first": [], "mean_step_s": []})
+            mine["periodic"] += [c for s, c in found["costs"].items() if s != self.comm.first_step]
+            mine["first"] += [c for s, c in found["costs"].items() if s == self.comm.first_step]
+            mine["mean_step_s"].append(found["mean_step_s"])
+            for path in sorted(run_dir.glob(WORK_FILE.format(rank="*"))):
+                self.work.setdefault(arm, []).extend(json.loads(path.read_text()))
+        return {"loop_step_s": loop, "step_s": statistics.median(per_step)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
+    parser.add_argument("--max-pairs", type=int, default=40)
+    parser.add_argument("--budget-s", type=float, default=1500.0, help="stop adding pairs after this long")
+    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
+    parser.add_argument("--arms", choices=sorted(ARMS), default="off-on")
+    parser.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)  # one arm's run, into this dir
+    parser.add_argument("--file-analysis", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (both arms)")
+    args = parser.parse_args(argv)
+    if args.run is not None:
+        return run(args.run, args.steps, args.file_analysis, args.overrides)
+
+    name = "comm_callback_overhead" if args.arms == "off-on" else "comm_callback_live_analysis"
+    with tempfile.TemporaryDirectory(prefix="comm_overhead_") as tmp:
+        bench = Bench(args, Path(tmp))
+        result = compare(name, baseline=lambda: bench.run_once("baseline"),
+                         candidate=lambda: bench.run_once("candidate"), metric="loop_step_s",
+                         target=1.01, bound="upper", min_pairs=args.pairs, max_pairs=max(args.pairs, args.max_pairs),
+                         budget_s=args.budget_s)
+    result["arms"] = dict(zip(("baseline", "candidate"), ARMS[args.arms]))
+    result["steps"], result["warmup"], result["windows"] = args.steps, WARMUP, bench.windows
+    result["every_n_steps"] = bench.comm.every_n_steps
+    for arm, overheads in bench.overheads.items():  # the old amortized figure, per arm with windows
+        prefix = "" if args.arms == "off-on" else f"{arm}_"
+        if overheads["periodic"]:
+            per_window = statistics.median(overheads["periodic"])
+            result[f"{prefix}window_overhead_ms"] = round(1e3 * per_window, 1)
+            result[f"{prefix}amortized_ratio"] = round(
+                per_window / (bench.comm.every_n_steps * statistics.fmean(overheads["mean_step_s"])), 5)
+        if overheads["first"]:
+            result[f"{prefix}first_window_overhead_ms"] = round(1e3 * statistics.median(overheads["first"]), 1)
+    for arm, work in bench.work.items():  # median seconds of a window's background work
+        result[f"{arm}_window_work_ms"] = {key[:-2] + "_ms": round(1e3 * statistics.median(w[key] for w in work), 1)
+                                           for key in work[0] if all(w[key] is not None for w in work)}
+    measured = [w for w in bench.windows if w > WARMUP]
+    if measured:
+        medians = result["medians"]
+        diff = medians["candidate"]["loop_step_s"] - medians["baseline"]["loop_step_s"]
+        result["loop_cost_per_window_ms"] = round(1e3 * diff * (args.steps - WARMUP) / len(measured), 1)
+    emit(result)
     return 0
 
 

@@ -3,9 +3,10 @@
 ``Config`` is the recipe's ``callbacks.comm`` section; ``build(config, ctx, shared)`` makes the callback.
 
 Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
-``torch.profiler`` window (schedule wait/warmup/active), exports its trace to
-``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` and analyses it with the trace analyzer
-(:mod:`shardlight.trace`, the same code as ``shardlight analyze``): NCCL kernels on GPU, gloo work on CPU.
+``torch.profiler`` window (schedule wait/warmup/active) and analyses it from the profiler's memory with the
+trace analyzer (:mod:`shardlight.trace.live`: the same analysis as ``shardlight analyze`` of the window's
+trace file, without writing and parsing one): NCCL kernels on GPU, gloo work on CPU. It then writes the
+window's trace to ``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` for offline use (``save_traces``).
 The per-rank results are gathered to rank 0, which logs per step of the window (ms per step):
 
 * aggregated (mean over ranks): ``comm/all_gather_ms``, ``comm/reduce_scatter_ms``, ``comm/all_reduce_ms``,
@@ -29,10 +30,12 @@ The per-rank results are gathered to rank 0, which logs per step of the window (
 Re-analyse a window offline with ``shardlight analyze run_dir/traces/step_<N>/``: it drops the last
 recorded step as this callback does (HTA's rule), so both report the same communication time.
 
-The trace export and the analysis run in a background thread while training goes on; the results are gathered
-``gather_delay`` (5) steps after the window (or at the end of training) and logged at the window's last
-step. A profiler or analysis failure on a rank is a warning; the window is skipped on that rank and
-training goes on. Every rank joins the result gather at the same, precomputed step, failed or not.
+The analysis, then the trace export, run in a background thread while training goes on; the results are
+gathered ``gather_delay`` (5) steps after the window (or at the end of training), waiting for the analysis
+only, and logged at the window's last step; the trace files are complete when training ends. A profiler or
+analysis failure on a rank is a warning; the window is skipped on that rank and training goes on (a trace
+that cannot be written is a warning too, the window's metrics stand). Every rank joins the result gather at
+the same, precomputed step, failed or not.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ from shardlight.diagnosis import Config as DiagnosisConfig
 from shardlight.diagnosis import Diagnosis, diagnose, window_line
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
-from shardlight.trace import analyze_trace_file, combine
+from shardlight.trace import combine
+from shardlight.trace.live import analyze_profile, distributed_info
 
 TRACE_DIR = "traces"
 
@@ -114,6 +118,11 @@ class Config:
     print_windows: bool = field(
         default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
     )
+    save_traces: bool = field(
+        default=True,
+        metadata={"help": "Write each window's trace to run_dir/traces/step_<N>/ (in the background, after its "
+                          "analysis) for `shardlight analyze` / `diagnose`; false: metrics and verdict only."},
+    )
 
 
 class CommTimeCallback(Callback):
@@ -135,6 +144,8 @@ class CommTimeCallback(Callback):
             throughput callbacks' latest values for it.
         diagnosis: the recipe's ``diagnosis:`` thresholds; micro_batch_size: what its advice is about;
             tp_size: the tensor-parallel degree (its process groups are comm/tp/..., the others comm/fsdp/...).
+        save_traces: write each window's trace file (after its analysis, in the background); False: none,
+            and no ``run_dir/traces``.
     """
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
@@ -142,7 +153,7 @@ class CommTimeCallback(Callback):
                  table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: Optional[bool] = None,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, save_traces: bool = True) -> None:
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
@@ -158,6 +169,8 @@ class CommTimeCallback(Callback):
         self.diagnosis = diagnosis if diagnosis is not None else DiagnosisConfig()
         self.micro_batch_size = micro_batch_size
         self.tp_size = tp_size
+        self.save_traces = save_traces
+        self._exports: List[threading.Thread] = []  # window threads that may still be writing their trace
         self._window: Optional[Dict[str, Any]] = None
         self._pending: Optional[Dict[str, Any]] = None
         self._last_step = -1
@@ -203,9 +216,10 @@ class CommTimeCallback(Callback):
                                   "file": None, "seconds": {}}
         self._window = window
         try:
-            directory = self.trace_root / f"step_{step:06d}"
-            directory.mkdir(parents=True, exist_ok=True)
-            window["file"] = directory / f"rank{rank()}.pt.trace.json"
+            if self.save_traces:
+                directory = self.trace_root / f"step_{step:06d}"
+                directory.mkdir(parents=True, exist_ok=True)
+                window["file"] = directory / f"rank{rank()}.pt.trace.json"
             # libkineto prints "USDT: ... profiler_start" and "profiler_stop" at every start and stop (its USDT
             # level, 5): four console lines per window on 2 ranks. It reads KINETO_LOG_LEVEL once, when the
             # process's first profiler starts, so set it here, before that. 6 is above all its levels, errors
@@ -217,7 +231,7 @@ class CommTimeCallback(Callback):
             prof = torch.profiler.profile(
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
-                on_trace_ready=lambda p: window.__setitem__("recorded", True),  # exported off the hot path
+                on_trace_ready=lambda p: window.__setitem__("recorded", True),  # analysed off the hot path
                 record_shapes=self.record_shapes, profile_memory=False, with_stack=False,
             )
             prof.start()
@@ -262,6 +276,7 @@ class CommTimeCallback(Callback):
                 pass
         if self._pending is not None:  # every rank has the same pending window: the gather matches
             self._collect(trainer)
+        self._join_exports()  # the run's trace files are complete when fit returns
 
     # --- window end -------------------------------------------------------------------------------------
     def _fail(self, window: Dict[str, Any], stage: str, exc: BaseException) -> None:
@@ -275,20 +290,34 @@ class CommTimeCallback(Callback):
         warn(f"comm window at step {window['start']} skipped on rank {rank()} ({window['error']})")
 
     def _analyse(self, window: Dict[str, Any], prof: torch.profiler.profile) -> None:
-        """Export and analyse this rank's trace (in a background thread: it overlaps the next steps)."""
+        """Analyse this rank's window from the profiler's memory, then write its trace file (in a background
+        thread: it overlaps the next steps). The gather waits for ``window["analysed"]`` only."""
         try:
             # Lowest priority for this thread only (Linux): on a busy host it must yield to training.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
         try:
-            prof.export_chrome_trace(str(window["file"]))
             # payload: what rank 0 needs of this rank to match its collectives with the others' (small)
-            result = analyze_trace_file(window["file"], payload=True)
+            name = window["file"] or f"<rank {rank()} window at step {window['start']}>"
+            result = analyze_profile(prof, payload=True, path=name, dist_info=window.get("dist_info"))
             metrics = window_metrics(result, window["seconds"], self.tp_size)
             window["result"] = {"metrics": metrics, "analysis": result}
         except Exception as exc:  # noqa: BLE001
             window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
+        finally:
+            window["analysed"].set()
+        if window["file"] is not None:
+            try:  # for `shardlight analyze` / `diagnose` of the run; the window's metrics do not need it
+                prof.export_chrome_trace(str(window["file"]))
+            except Exception as exc:  # noqa: BLE001
+                warn(f"comm window at step {window['start']}: trace not written on rank {rank()} "
+                     f"({type(exc).__name__}: {exc})")
+
+    def _join_exports(self) -> None:
+        exports, self._exports = self._exports, []
+        for thread in exports:
+            thread.join()
 
     def _finish(self, trainer: pl.Trainer, window: Dict[str, Any]) -> None:
         """Window recorded: stop the profiler and start export + analysis in a thread; the results are
@@ -301,9 +330,12 @@ class CommTimeCallback(Callback):
                 prof.stop()
                 if not window.get("recorded"):
                     raise RuntimeError("the profiler recorded nothing")
+                window["dist_info"] = distributed_info()  # what the trace file's distributedInfo holds
+                window["analysed"] = threading.Event()
                 thread = threading.Thread(target=self._analyse, args=(window, prof),
                                           name="shardlight-comm-analysis", daemon=True)
                 thread.start()
+                self._exports = [t for t in self._exports if t.is_alive()] + [thread]
             except Exception as exc:  # noqa: BLE001
                 self._fail(window, "analysis", exc)
         self._pending = {"window": window, "thread": thread,
@@ -314,7 +346,7 @@ class CommTimeCallback(Callback):
         pending, self._pending = self._pending, None
         window = pending["window"]
         if pending["thread"] is not None:
-            pending["thread"].join()
+            window["analysed"].wait()  # not the trace export that follows it
         local = window.get("result") or {"error": window["error"] or "no result"}
         if "error" in local and window["error"] is None:
             window["error"] = local["error"]
@@ -413,5 +445,5 @@ def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
         warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,
         table=shared.table, record_shapes=config.record_shapes, print_windows=config.print_windows,
         findings=shared.findings, diagnosis=shared.diagnosis, micro_batch_size=shared.micro_batch_size,
-        tp_size=shared.tp_size,
+        tp_size=shared.tp_size, save_traces=config.save_traces,
     )

@@ -15,5 +15,6 @@ The layers, each importing only the ones above it:
 """
 
 from shardlight.trace.analysis import analyze_trace_file, analyze_traces, combine
+from shardlight.trace.live import analyze_profile
 
-__all__ = ["analyze_trace_file", "analyze_traces", "combine"]
+__all__ = ["analyze_profile", "analyze_trace_file", "analyze_traces", "combine"]
