@@ -66,7 +66,7 @@ def rank_main(rank: int, out: Path, steps: int, model_spec: dict, micro_batch: i
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     marks["wrapped"] = time.time()
-    step_times, ends = [], []
+    step_times, ends, cpu_ends = [], [], []
     mask = torch.ones(micro_batch, seq_len, dtype=torch.long)
     for _, (input_ids,) in zip(range(steps), loader):
         start = time.perf_counter()
@@ -81,8 +81,10 @@ def rank_main(rank: int, out: Path, steps: int, model_spec: dict, micro_batch: i
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - start)
         ends.append(time.time())
+        cpu_ends.append(time.process_time())
         marks.setdefault("first_step", ends[-1])
-    (out / f"timing-rank{rank}.json").write_text(json.dumps({"steps": step_times, "ends": ends, "marks": marks}))
+    (out / f"timing-rank{rank}.json").write_text(json.dumps({"steps": step_times, "ends": ends, "cpu_ends": cpu_ends,
+                                                                 "marks": marks}))
     dist.destroy_process_group()
 
 

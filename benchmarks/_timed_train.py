@@ -8,6 +8,8 @@ sets it):
 * ``steps``: seconds from batch in hand (``on_train_batch_start``) to optimizer step done
   (``on_train_batch_end``), per optimizer step;
 * ``ends``: ``time.time()`` at each step's end (the loop's wall per step comes from these);
+* ``cpu_ends``: ``time.process_time()`` at each step's end (CPU seconds of the whole process, all threads:
+  a machine's load slows wall time but adds little CPU time, so overhead shows here under load too);
 * ``marks``: ``time.time()`` at: ``start`` (this script's first line), ``imports`` (torch, Lightning,
   transformers and shardlight's training path imported), ``preflight`` (done), ``fit`` (the callbacks'
   ``setup``: the process group is up, the model not yet wrapped), ``wrapped`` (``on_train_start``: FSDP
@@ -39,6 +41,7 @@ class StepTimer(pl.Callback):
     def __init__(self) -> None:
         self.steps: list = []
         self.ends: list = []
+        self.cpu_ends: list = []
         self._start = 0.0
 
     def setup(self, trainer, pl_module, stage):
@@ -53,13 +56,14 @@ class StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append(time.perf_counter() - self._start)
         self.ends.append(time.time())
+        self.cpu_ends.append(time.process_time())
         MARKS.setdefault("first_step", self.ends[-1])
 
     def on_train_end(self, trainer, pl_module):
         out = os.environ.get(TIMES_ENV)
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
-            record = {"steps": self.steps, "ends": self.ends, "marks": MARKS}
+            record = {"steps": self.steps, "ends": self.ends, "cpu_ends": self.cpu_ends, "marks": MARKS}
             (Path(out) / f"timing-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -14,9 +14,11 @@ Arms, each one fresh process tree per run:
 Metrics per run: ``step_s``, the median over steps after warm-up of the slower rank, batch in hand to
 optimizer step done; ``loop_step_s``, wall per optimizer step over the loop after warm-up (end of the
 warm-up step to end of the last, over the slower rank: what a user waits for, Lightning's loop and every
-hook included); ``startup_s``, launch (the benchmark's ``Popen``) to the first optimizer step done.
+hook included); ``cpu_step_s``, the same span in CPU seconds of the busier rank's process (all its threads:
+the load of a shared machine moves it far less than wall time); ``startup_s``, launch (the benchmark's
+``Popen``) to the first optimizer step done.
 
-Two JSON lines: ``strategy_overhead`` (``step_s``, target <= 1.02, with ``loop_step_s`` under metrics) and
+Two JSON lines: ``strategy_overhead`` (``step_s``, target <= 1.02; ``loop_step_s``, ``cpu_step_s`` under metrics) and
 ``startup`` (``startup_s``, target <= 1.5, with where the time goes: each arm's median seconds from launch
 to rank 0's marks (imports done, preflight done, process group up, wrapped, first step), and ``python -X
 importtime``'s seconds per top-level package for shardlight's training path).
@@ -86,7 +88,8 @@ def run_once(arm: str, steps: int, tmp: Path, counter: list) -> dict:
         sys.exit(f"strategy_overhead: the {arm} run wrote {len(ranks)} timing files, not 2")
     step = statistics.median(max(per_rank) for per_rank in zip(*(r["steps"][WARMUP:] for r in ranks)))
     loop = max((r["ends"][-1] - r["ends"][WARMUP - 1]) / (len(r["ends"]) - WARMUP) for r in ranks)
-    metrics = {"step_s": step, "loop_step_s": loop,
+    cpu = max((r["cpu_ends"][-1] - r["cpu_ends"][WARMUP - 1]) / (len(r["cpu_ends"]) - WARMUP) for r in ranks)
+    metrics = {"step_s": step, "loop_step_s": loop, "cpu_step_s": cpu,
                "startup_s": max(r["marks"]["first_step"] for r in ranks) - launch}
     for mark in MARKS:  # where the start-up goes: launch -> each mark on rank 0, the launching process
         if mark in ranks[0]["marks"]:
@@ -125,8 +128,8 @@ def main(argv=None) -> int:
     startup = dict(result)
     startup_metrics = {k: v for k, v in result["metrics"].items()}
     step_stats = startup_metrics.pop("startup_s")
-    step_result = {k: v for k, v in result.items() if k != "medians"}
-    step_result["metrics"] = {"loop_step_s": result["metrics"]["loop_step_s"]}
+    step_result = dict(result)
+    step_result["metrics"] = {k: result["metrics"][k] for k in ("loop_step_s", "cpu_step_s")}
     step_result["raw_step_s"] = result["medians"]["baseline"]["step_s"]
     step_result["shardlight_step_s"] = result["medians"]["candidate"]["step_s"]
     step_result["steps"], step_result["warmup"] = args.steps, WARMUP
