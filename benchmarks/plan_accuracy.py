@@ -13,12 +13,26 @@ second measured) runs twice:
 * fake: ``step_memory`` (FakeTensorMode, fake process group, FSDPMemTracker): what ``shardlight plan`` uses;
 * analytic: the closed-form model (``--analytic``), for reference.
 
-Relative error = (estimate - measured) / measured. Run (shardlight installed): python benchmarks/plan_accuracy.py
+One tensor-parallel case: the Llama shape with ``tp 2`` on 2 spawned gloo ranks (the model parallelized as
+training does it, ``shardlight.strategy.tensor_parallel.apply_tensor_parallel`` on the ``tp`` dim of a
+(dp_replicate, dp_shard, tp) mesh, then FSDP2 over the data-parallel dims), bf16-mixed, against the fake step
+on the same TP mesh and the analytic TP model (what ``shardlight plan`` prints for its ``tp2`` rows).
+
+Relative error = (estimate - measured) / measured. Three lines through the harness (``benchmarks/_harness.py``
+``emit``; ``ratio`` = the worst |relative error| of the fake step's step peak and forward activations,
+``target`` the tolerance, ``bound`` upper, ``ci90`` the point: one measurement per case, no interval, no A/A):
+``plan_accuracy`` (one-rank cases, target 0.01), ``plan_accuracy_2rank`` (2 ranks without TP, target 0.15: the
+fake group finishes collectives at once, so its peak is a lower bound there) and ``plan_accuracy_tp`` (the TP
+case, target 0.15 as for 2 ranks; its analytic error is reported next to it).
+
+Run (shardlight installed): python benchmarks/plan_accuracy.py [--cases all|one|two|tp]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,8 +45,12 @@ from shardlight.planner.fake_step import (
     shardlight_loss,
     step_memory,
     strategy_mesh,
+    tp_meshes,
 )
 from shardlight.planner.model_spec import model_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import emit, holds, machine  # noqa: E402
 
 SHAPES = [
     {"name": "llama-h256-L4-v8k", "model_type": "llama", "batch": 4, "seq": 256,
@@ -46,6 +64,8 @@ SHAPES = [
                 "max_position_embeddings": 4096}},
 ]
 STRATEGY = "FULL_SHARD"
+TARGETS = {"plan_accuracy": 0.01, "plan_accuracy_2rank": 0.15, "plan_accuracy_tp": 0.15}
+TP = 2
 
 
 def hf_config(shape):
@@ -72,19 +92,26 @@ def live_bytes_timeline(prof):
 
 
 def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STRATEGY, rank: int = 0,
-                 world_size: int = 1, store_path: str = ""):
+                 world_size: int = 1, store_path: str = "", tp: int = 1):
     """(step peak, forward alive) from the allocator for the second step of this rank, on a real gloo group
-    (in-process for one rank; ``store_path``: the FileStore all ranks of a spawned group share)."""
+    (in-process for one rank; ``store_path``: the FileStore all ranks of a spawned group share); ``tp`` > 1:
+    tensor-parallel over the mesh's ``tp`` dim, FSDP2 over the rest."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
     store = dist.FileStore(store_path, world_size) if store_path else dist.HashStore()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     try:
-        mesh = strategy_mesh(strategy, world_size, None)
-        torch.manual_seed(rank)
+        tp_mesh = None
+        if tp > 1:
+            mesh, tp_mesh = tp_meshes(strategy, world_size, None, tp)
+        else:
+            mesh = strategy_mesh(strategy, world_size, None)
+        # TP ranks of a group read the same batch: seed by the data-parallel rank.
+        torch.manual_seed(rank // tp)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model = build_sharded_model(hf_config(shape), mesh, strategy, checkpointing, precision, "float32")
+            model = build_sharded_model(hf_config(shape), mesh, strategy, checkpointing, precision, "float32",
+                                        tp_mesh=tp_mesh)
             optim = make_optimizer("adamw", model.parameters())
             input_ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]))
             for step in range(2):
@@ -108,19 +135,20 @@ def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STR
     return peak, live_at(f_end) - live_at(f_start)
 
 
-def _rank_worker(rank, shape, checkpointing, precision, strategy, world_size, tmp):
+def _rank_worker(rank, shape, checkpointing, precision, strategy, world_size, tmp, tp=1):
     # One spawned rank: torch's gloo CPU threads per rank share the machine as training's ranks do.
     torch.set_num_threads(1)
-    result = measure_real(shape, checkpointing, precision, strategy, rank, world_size, str(Path(tmp) / "store"))
+    result = measure_real(shape, checkpointing, precision, strategy, rank, world_size, str(Path(tmp) / "store"),
+                          tp)
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def measure_real_ranks(shape, checkpointing: bool, precision: str, strategy: str, world_size: int):
+def measure_real_ranks(shape, checkpointing: bool, precision: str, strategy: str, world_size: int, tp: int = 1):
     """``measure_real`` on ``world_size`` spawned gloo ranks: rank 0's (step peak, forward alive)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_worker, args=(shape, checkpointing, precision, strategy, world_size, tmp),
+        mp.spawn(_rank_worker, args=(shape, checkpointing, precision, strategy, world_size, tmp, tp),
                  nprocs=world_size, join=True)
         return tuple(json.loads((Path(tmp) / "rank0.json").read_text()))
 
@@ -129,7 +157,7 @@ def rel(estimate_value, measured):
     return round((estimate_value - measured) / measured, 4)
 
 
-def main() -> None:
+def one_rank_cases():
     cases = []
     cluster = make_cluster(nodes=1, gpus_per_node=1, gpu_memory="80GB", overhead_gb=0)
     for shape in SHAPES:
@@ -151,6 +179,11 @@ def main() -> None:
                     "forward_measured": forward_real, "forward_fake": fake["forward_alive"],
                     "activation_rel_err": rel(fake["forward_alive"], forward_real),
                 })
+    return cases
+
+
+def two_rank_cases():
+    cases = []
     for shape in SHAPES:
         # Two real ranks per sharded strategy: the fake process group's per-rank layout against gloo's.
         config = hf_config(shape)
@@ -162,13 +195,64 @@ def main() -> None:
                           "peak_rel_err": rel(fake["peak"], peak_real), "forward_measured": forward_real,
                           "forward_fake": fake["forward_alive"],
                           "activation_rel_err": rel(fake["forward_alive"], forward_real)})
-    worst = {key: max(abs(c[key]) for c in cases if key in c) for key in ("peak_rel_err", "activation_rel_err",
-                                                                          "peak_rel_err_analytic")}
-    print(json.dumps({"benchmark": "plan_accuracy", "device": "cpu", "runs": len(cases),
-                      "peak_rel_err_max_abs": worst["peak_rel_err"],
-                      "activation_rel_err_max_abs": worst["activation_rel_err"],
-                      "analytic_peak_rel_err_max_abs": worst["peak_rel_err_analytic"], "cases": cases}))
+    return cases
+
+
+def tp_cases():
+    """The Llama shape, tp 2 on 2 gloo ranks (one data-parallel rank), bf16-mixed, without checkpointing."""
+    shape = SHAPES[0]
+    config = hf_config(shape)
+    spec = model_spec(config)
+    cluster = make_cluster(nodes=1, gpus_per_node=2, gpu_memory="80GB", overhead_gb=0)
+    work = Workload(micro_batch_size=shape["batch"], seq_len=shape["seq"], precision="bf16-mixed",
+                    param_dtype="float32", fsdp_version=2)
+    peak_real, forward_real = measure_real_ranks(shape, False, "bf16-mixed", STRATEGY, 2, tp=TP)
+    fake = step_memory(config, 2, STRATEGY, False, "bf16-mixed", shape["batch"], shape["seq"], tp=TP)
+    analytic = estimate(spec, cluster, work, STRATEGY, False, False, None, tp=TP)
+    # What forward + loss leave alive, analytic: the saved activations and the fp32 log-softmax of the logits
+    # (backward's transient is not alive yet).
+    analytic_forward = analytic["activation_bytes"] + shape["batch"] * shape["seq"] * spec.vocab_size * 4
+    return [{"shape": shape["name"], "precision": "bf16-mixed", "activation_checkpointing": False,
+             "strategy": STRATEGY, "world_size": 2, "tp_size": TP,
+             "peak_measured": peak_real, "peak_fake": fake["peak"], "peak_analytic": analytic["peak_bytes"],
+             "peak_rel_err": rel(fake["peak"], peak_real),
+             "peak_rel_err_analytic": rel(analytic["peak_bytes"], peak_real),
+             "forward_measured": forward_real, "forward_fake": fake["forward_alive"],
+             "forward_analytic": analytic_forward,
+             "activation_rel_err": rel(fake["forward_alive"], forward_real),
+             "activation_rel_err_analytic": rel(analytic_forward, forward_real)}]
+
+
+def line(name: str, cases: list) -> dict:
+    """One harness line: ``ratio`` = the worst |relative error| of the fake step (peak and activations)."""
+    worst = {key: max((abs(c[key]) for c in cases if key in c), default=None)
+             for key in ("peak_rel_err", "activation_rel_err", "peak_rel_err_analytic", "activation_rel_err_analytic")}
+    ratio = max(worst["peak_rel_err"], worst["activation_rel_err"])
+    target = TARGETS[name]
+    result = {"benchmark": name, "metric": "max_abs_rel_err", "ratio": ratio, "ci90": [ratio, ratio],
+              "pairs": len(cases), "target": target, "bound": "upper",
+              "holds": holds([ratio, ratio], target, "upper"), "device": "cpu",
+              "peak_rel_err_max_abs": worst["peak_rel_err"], "activation_rel_err_max_abs": worst["activation_rel_err"],
+              "analytic_peak_rel_err_max_abs": worst["peak_rel_err_analytic"]}
+    if worst["activation_rel_err_analytic"] is not None:
+        result["analytic_activation_rel_err_max_abs"] = worst["activation_rel_err_analytic"]
+    result.update(cases=cases, machine=machine())
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", choices=("all", "one", "two", "tp"), default="all",
+                        help="one-rank cases, 2-rank cases, the TP case, or all (default)")
+    args = parser.parse_args(argv)
+    if args.cases in ("all", "one"):
+        emit(line("plan_accuracy", one_rank_cases()))
+    if args.cases in ("all", "two"):
+        emit(line("plan_accuracy_2rank", two_rank_cases()))
+    if args.cases in ("all", "tp"):
+        emit(line("plan_accuracy_tp", tp_cases()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

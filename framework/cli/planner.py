@@ -140,7 +140,8 @@ def add_parsers(subparsers: Any) -> None:
         "plan", help="estimate per-rank memory and step time per sharding strategy and recommend one",
         description="Sharding-aware estimate (parameters, gradients, optimizer state, activations, all-gather "
                     "buffers, communication vs compute) for NO_SHARD (DDP), SHARD_GRAD_OP, FULL_SHARD and "
-                    "HYBRID_SHARD, x activation checkpointing x CPU offload, and a recommendation with reasons. "
+                    "HYBRID_SHARD, x activation checkpointing x CPU offload, tensor-parallel degrees (tp) that "
+                    "divide the heads and fit in a node, and a recommendation with reasons. "
                     "Each peak is measured by one training step of the real model on fake tensors (no weights, "
                     "no GPU, no download) over a fake process group of the planned world size; --analytic skips it.")
     add_recipe_items(plan)

@@ -8,12 +8,12 @@ from typing import Any
 
 
 def backward_tail_s(spec: Any, cluster: Any, work: Any, strategy: str, group: int, group_bw: float,
-                    intra_bw: float, inter_bw: float) -> float:
+                    intra_bw: float, inter_bw: float, world: Any = None) -> float:
     """Seconds of the gradient collective that starts after the last backward compute and so cannot
     overlap: the root unit's (embeddings, head; reduced last) all-reduce under NO_SHARD (FSDP1 NO_SHARD and
     DDP's last bucket alike), its reduce-scatter under the sharded strategies (plus HYBRID's all-reduce of
-    that shard across replicas)."""
-    world, c = cluster.world_size, work.compute_bytes
+    that shard across replicas). ``world``: the data-parallel ranks (default all; world / tp with TP)."""
+    world, c = world or cluster.world_size, work.compute_bytes
     root = spec.root_params if not work.peft else 0  # LoRA: the frozen root has no gradient to reduce
     if world == 1 or root == 0:
         return 0.0

@@ -13,6 +13,12 @@ steady state whose peak is reported (gradients are freed by ``zero_grad(set_to_n
 as in training). Fake collectives complete at once, so buffers a real collective keeps alive while it runs
 in the background (a prefetched all-gather, a reduce-scatter input) are not counted: on several ranks the
 peak is a lower bound by up to a unit's buffers (see the README's accuracy notes).
+
+Tensor parallelism (``tp`` > 1): the mesh is (dp_replicate, dp_shard, tp) as training builds it, the model
+is parallelized with ``shardlight.strategy.tensor_parallel.apply_tensor_parallel`` then checkpointed and
+``fully_shard``-ed over the data-parallel dims. FSDP2 joins the TP and DP meshes into one (a coordinate
+lookup that fake tensors cannot run), so a TP model is sharded on the meta device outside ``FakeTensorMode``
+and only materialized and stepped inside it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlight.errors import ShardlightError
+from shardlight.strategy.tensor_parallel import MESH_DIM_NAMES, ParallelDims, apply_tensor_parallel
 from shardlight.strategy.wrapping import block_modules
 
 # Categories FSDPMemTracker reports (``_FSDPRefType`` values), grouped the way the plan's table is.
@@ -86,12 +93,29 @@ def strategy_mesh(strategy: str, world_size: int, shard_group_size: Optional[int
     return init_device_mesh("cpu", (world_size,))
 
 
+def tp_meshes(strategy: str, world_size: int, shard_group_size: Optional[int], tp: int) -> Tuple[Any, Any]:
+    """(data-parallel mesh, tp mesh) of a (dp_replicate, dp_shard, tp) mesh, as training builds it:
+    NO_SHARD replicates over all data-parallel ranks, HYBRID_SHARD shards over ``shard_group_size`` of them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+
+    dp = world_size // tp
+    group = 1 if strategy == "NO_SHARD" else (shard_group_size or dp) if strategy == "HYBRID_SHARD" else dp
+    if world_size % tp or dp % group:
+        raise ShardlightError(f"mesh {dp // max(group, 1)} x {group} x tp {tp} does not match {world_size} ranks")
+    mesh = init_device_mesh("cpu", (dp // group, group, tp), mesh_dim_names=MESH_DIM_NAMES)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dp // group > 1 else mesh["dp_shard"]
+    return dp_mesh, mesh["tp"]
+
+
 def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing: bool, precision: str,
                         param_dtype: str, block_classes: Optional[list] = None, wrap_blocks: bool = True,
-                        trust_remote_code: bool = False) -> torch.nn.Module:
-    """The model on the meta device, checkpointed per block and ``fully_shard``-ed per block then at the root
-    (``shardlight.strategy.fsdp2.apply_fsdp2``'s order), then materialized on the CPU (fake under
-    ``FakeTensorMode``: no bytes)."""
+                        trust_remote_code: bool = False, tp_mesh: Any = None,
+                        tp_plan: Optional[Dict[str, str]] = None, materialize: bool = True) -> torch.nn.Module:
+    """The model on the meta device, tensor-parallel over ``tp_mesh`` when given (``tp_plan``: the recipe's,
+    None: the model's), checkpointed per block and ``fully_shard``-ed per block then at the root
+    (``shardlight.strategy.fsdp2.apply_fsdp2``'s order), then (``materialize``) materialized on the CPU
+    (fake under ``FakeTensorMode``: no bytes)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointWrapper,
         apply_activation_checkpointing,
@@ -108,6 +132,8 @@ def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing:
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError, KeyError) as exc:
         raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
     model.train()
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, ParallelDims(1, 1, tp_mesh.size(), tp_plan), tp_mesh)
     blocks = block_modules(model, block_classes)
     units = list(blocks) if wrap_blocks else []
     if checkpointing:
@@ -121,7 +147,8 @@ def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing:
     for unit in reversed(units):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    model.to_empty(device="cpu")
+    if materialize:
+        model.to_empty(device="cpu")
     return model
 
 
@@ -186,7 +213,8 @@ def run_tracked_step(model: torch.nn.Module, optimizer_name: str, micro_batch_si
 def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: bool, precision: str,
                 micro_batch_size: int, seq_len: int, optimizer: str = "adamw", param_dtype: str = "float32",
                 shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
-                wrap_blocks: bool = True, trust_remote_code: bool = False) -> Dict[str, Any]:
+                wrap_blocks: bool = True, trust_remote_code: bool = False, tp: int = 1,
+                tp_plan: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Rank 0's memory in one steady-state training step of ``strategy`` on ``world_size`` ranks, bytes:
     ``peak`` (the step's highest total), ``peak_by_category`` (params/grads/optim/buffers/activations at that
     moment), ``activations`` (saved by forward + loss, alive when backward starts), ``forward_alive`` (every
@@ -199,15 +227,26 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
         raise ShardlightError(f"the fake-tensor planner runs 32-true, bf16-mixed and bf16-true, not "
                               f"'{precision}'; use --analytic")
     with fake_process_group(world_size):
-        mesh = strategy_mesh(strategy, world_size, shard_group_size)
+        prebuilt = None
+        if tp > 1:
+            mesh, tp_mesh = tp_meshes(strategy, world_size, shard_group_size, tp)
+            prebuilt = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
+                                           block_classes, wrap_blocks, trust_remote_code, tp_mesh, tp_plan,
+                                           materialize=False)
+        else:
+            mesh = strategy_mesh(strategy, world_size, shard_group_size)
         with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_grouped_mm():
-            model = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
-                                        block_classes, wrap_blocks, trust_remote_code)
+            if prebuilt is not None:
+                model = prebuilt
+                model.to_empty(device="cpu")
+            else:
+                model = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
+                                            block_classes, wrap_blocks, trust_remote_code)
             try:
                 peak, forward = run_tracked_step(model, optimizer, micro_batch_size, seq_len,
                                                  int(hf_config.vocab_size))
             except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
-                raise ShardlightError(f"the model's training step fails ({strategy}): "
+                raise ShardlightError(f"the model's training step fails ({strategy}{f' tp{tp}' if tp > 1 else ''}): "
                                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
                                       ) from None
     return {"peak": peak["total"], "peak_by_category": peak, "activations": forward["activations"],

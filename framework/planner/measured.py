@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from shardlight.errors import ShardlightError
 from shardlight.planner.estimate import Cluster, Workload
 from shardlight.planner.fake_step import step_memory
+from shardlight.planner.recommend import choose, label
 
 FAKE_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 FAKE_OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -29,6 +31,7 @@ class StepModel:
     block_classes: Optional[List[str]] = None   # fsdp.transformer_cls_names_to_wrap (None: detected)
     wrap_blocks: bool = True                    # False: fsdp.auto_wrap_policy=NO_WRAP, one unit
     trust_remote_code: bool = False
+    tp_plan: Optional[Dict[str, str]] = None    # parallelism.tp_plan (None: the model's base_model_tp_plan)
 
 
 def why_not_measured(work: Workload) -> Optional[str]:
@@ -63,6 +66,32 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
         apply_step(row, steps[key], cluster)
     return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),
             "world_size": cluster.world_size}
+
+
+def measure_tp_contenders(rows: List[Dict[str, Any]], tp_rows: List[Dict[str, Any]], model: StepModel,
+                          cluster: Cluster, work: Workload) -> List[str]:
+    """Measure, by a fake step on the TP mesh, the TP row the rule would pick on its analytic peak, until the
+    pick is a measured row or not TP; returns the labels measured. The other TP rows keep analytic memory (and
+    a row whose fake step fails keeps it too, with ``memory_error``)."""
+    measured: List[str] = []
+    while True:
+        best = choose(rows + tp_rows)
+        if best is None or best.get("tp_size", 1) == 1 or best.get("memory_source") == "fake-step":
+            return measured
+        group = best["shard_group_size"] if best["sharding_strategy"] == "HYBRID_SHARD" else None
+        try:
+            step = step_memory(model.hf_config, cluster.world_size, best["sharding_strategy"],
+                               best["activation_checkpointing"], work.precision, work.micro_batch_size, work.seq_len,
+                               work.optimizer, work.param_dtype, shard_group_size=group,
+                               block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
+                               trust_remote_code=model.trust_remote_code, tp=best["tp_size"], tp_plan=model.tp_plan)
+        except ShardlightError as exc:
+            # The row keeps its analytic peak; the plan still stands, and says why it was not measured.
+            best["memory_source"] = "analytic"
+            best["memory_error"] = str(exc)
+            return measured
+        apply_step(best, step, cluster)
+        measured.append(label(best))
 
 
 def apply_step(row: Dict[str, Any], step: Dict[str, Any], cluster: Cluster) -> None:

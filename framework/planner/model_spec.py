@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from shardlight.errors import ShardlightError
+from shardlight.recipe.schema import TP_STYLES
+from shardlight.strategy.tensor_parallel import _matches, model_tp_plan
 from shardlight.strategy.wrapping import find_block_classes
 
 # transformers is heavy: it is imported lazily, inside the functions that read or build a model config.
@@ -45,6 +47,18 @@ class ModelSpec:
     expert_params: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    # Tensor parallelism (``shardlight.strategy.tensor_parallel``): per unit, parallel to ``unit_numels``,
+    # whether each parameter is split across TP ranks (its module is in the TP plan: q/k/v, o, MLP projections);
+    # per block, the plan's column- and row-sharded modules (each row-sharded output is all-reduced in forward,
+    # each column-sharded module's input gradient in backward, one collective per module as torch's
+    # ColwiseParallel/RowwiseParallel do); which halves of a block the plan splits; None, or why TP is not
+    # planned (no plan, or styles shardlight does not apply).
+    unit_tp_split: List[List[bool]] = field(default_factory=list, repr=False)
+    tp_colwise_per_block: int = 0
+    tp_rowwise_per_block: int = 0
+    tp_splits_attention: bool = False
+    tp_splits_mlp: bool = False
+    tp_unplanned: Optional[str] = "no TP plan"
 
     @property
     def active_params(self) -> int:
@@ -53,6 +67,20 @@ class ModelSpec:
             return self.total_params
         idle = self.expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
         return self.total_params - idle
+
+    def tp_local_params(self, tp: int) -> tuple:
+        """(largest block, root, total) parameters one TP rank holds before data-parallel sharding."""
+        if tp == 1 or not self.unit_tp_split:
+            return self.block_params, self.root_params, self.total_params
+        units = [sum(n // tp if split else n for n, split in zip(numels, flags))
+                 for numels, flags in zip(self.unit_numels, self.unit_tp_split)]
+        return max(units[:-1], default=0), units[-1], sum(units)
+
+    def tp_split_fraction(self) -> float:
+        """Share of the parameters the TP plan splits (the rest is replicated on every TP rank)."""
+        split = sum(n for numels, flags in zip(self.unit_numels, self.unit_tp_split)
+                    for n, f in zip(numels, flags) if f)
+        return split / self.total_params if self.total_params else 0.0
 
     def lora_params(self, r: int) -> int:
         return r * sum(self.lora_widths)
@@ -76,6 +104,8 @@ class ModelSpec:
         data = asdict(self)
         data.pop("unit_numels")
         data.pop("lora_widths")
+        data.pop("unit_tp_split")
+        data["tp_split_fraction"] = round(self.tp_split_fraction(), 6)
         data["largest_unit_params"] = self.largest_unit_params
         data["active_params"] = self.active_params
         data["num_units"] = len(self.unit_numels)
@@ -146,10 +176,53 @@ def _lora_width(module: torch.nn.Module, targets: List[str]) -> int:
                if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
+def _tp_layout(model: torch.nn.Module, blocks: List[torch.nn.Module], units: List[List[int]],
+               tp_plan: Optional[Dict[str, str]]) -> Dict[str, Any]:
+    """What the TP plan (the recipe's ``parallelism.tp_plan``, else the model's ``base_model_tp_plan``) splits:
+    the ``ModelSpec`` fields ``unit_tp_split``, ``tp_colwise_per_block``, ``tp_rowwise_per_block``,
+    ``tp_splits_attention``/``mlp`` and ``tp_unplanned``."""
+    flags = [[False] * len(u) for u in units]
+    out: Dict[str, Any] = {"unit_tp_split": flags}
+    try:
+        plan = model_tp_plan(model, tp_plan)
+    except ShardlightError:
+        out["tp_unplanned"] = "the model has no base_model_tp_plan and the recipe gives no parallelism.tp_plan"
+        return out
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        out["tp_unplanned"] = f"its TP plan uses styles shardlight does not apply ({', '.join(unknown)})"
+        return out
+    styles = {}
+    for name, module in model.named_modules():
+        style = next((st for pattern, st in plan.items() if name and _matches(name, pattern)), None)
+        if style is not None:
+            styles[id(module)] = (name, style)
+    # Mark each parameter of a planned module, in the order model_spec counted them (blocks, then root).
+    owner = {id(p): id(m) for m in model.modules() for p in m.parameters(recurse=False)}
+    block_ids = set()
+    for i, block in enumerate(blocks):
+        seen = []
+        for p in block.parameters():
+            block_ids.add(id(p))
+            seen.append(p)
+        flags[i] = [owner.get(id(p)) in styles for p in _unique(seen)][:len(units[i])]
+    root = [p for p in _unique(model.parameters()) if id(p) not in block_ids]
+    flags[-1] = [owner.get(id(p)) in styles for p in root]
+    first = [styles[id(m)] for m in (blocks[0].modules() if blocks else []) if id(m) in styles]
+    out.update(tp_colwise_per_block=sum(st.startswith("colwise") for _, st in first),
+               tp_rowwise_per_block=sum(st == "rowwise" for _, st in first),
+               tp_splits_attention=any("attn" in n or "attention" in n for n, _ in first),
+               tp_splits_mlp=any("mlp" in n or "feed_forward" in n for n, _ in first),
+               tp_unplanned=None if first else "its TP plan splits nothing inside the transformer blocks")
+    return out
+
+
 def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[List[str]] = None,
-               trust_remote_code: bool = False, lora_targets: Optional[List[str]] = None) -> ModelSpec:
+               trust_remote_code: bool = False, lora_targets: Optional[List[str]] = None,
+               tp_plan: Optional[Dict[str, str]] = None) -> ModelSpec:
     """Build ``config`` on the meta device and count what FSDP would wrap (transformer-block units + root);
-    ``lora_targets``: the module names LoRA would adapt (null: peft's default for the architecture)."""
+    ``lora_targets``: the module names LoRA would adapt (null: peft's default for the architecture);
+    ``tp_plan``: the recipe's ``parallelism.tp_plan`` (null: the model's ``base_model_tp_plan``)."""
     from transformers import AutoModelForCausalLM
 
     if not _is_causal_lm(config):
@@ -214,6 +287,7 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
         expert_params=expert_params,
         num_experts=experts if expert_params else 0,
         experts_per_token=per_token if expert_params else 0,
+        **_tp_layout(model, blocks, unit_numels, tp_plan),
     )
 
 

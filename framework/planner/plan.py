@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
 from shardlight.planner.calibration import apply_to_rows, check_matches
-from shardlight.planner.estimate import Cluster, Workload, estimate_all, make_cluster
-from shardlight.planner.measured import StepModel, measure_rows
+from shardlight.planner.estimate import Cluster, Workload, estimate_all, estimate_tp, make_cluster, tp_skipped
+from shardlight.planner.measured import StepModel, measure_rows, measure_tp_contenders
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
 from shardlight.recipe import RecipeConfig
@@ -65,8 +65,16 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
     if spec.max_positions and work.seq_len > spec.max_positions:
         raise ShardlightError(f"seq_len {work.seq_len} exceeds the model's maximum positions ({spec.max_positions})")
     rows = estimate_all(spec, cluster, work)
+    tp_rows = estimate_tp(spec, cluster, work)
+    tp_info: Dict[str, Any] = {"candidates": sorted({r["tp_size"] for r in tp_rows}),
+                               "skipped": tp_skipped(spec, cluster, work)}
     if calibration is not None:
         apply_to_rows(rows, calibration, spec, work)
+        if tp_rows:
+            tp_info["skipped"] = "the calibration measured no TP all-reduces; plan without --calibration to cost TP"
+            tp_rows = []
+    for row in tp_rows:
+        row["memory_source"] = "analytic"
     if model is not None:
         memory = measure_rows(rows, model, cluster, work)
     else:
@@ -74,9 +82,14 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
     described = spec.to_json()
     described["flops_per_token"] = spec.flops_per_token(work.seq_len)
     described["compute_bytes"] = work.compute_bytes
+    if model is not None and memory["source"] == "fake-step" and tp_rows:
+        # TP rows are measured only where they contend (the rule would pick them on their analytic peak).
+        tp_info["measured"] = measure_tp_contenders(rows, tp_rows, model, cluster, work)
     return {
-        "recommendation": recommend(rows, cluster, described),
+        "recommendation": recommend(rows, cluster, described, tp_rows=tp_rows),
         "strategies": rows,
+        "tensor_parallel": tp_rows,
+        "tp": tp_info,
         "memory": memory,
         "model": described,
         "cluster": cluster.to_json(),
@@ -95,12 +108,21 @@ def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: O
     plan = make_plan(spec, cluster, work, model, calibration)
     if restrict_ckpt is None and restrict_offload is None:
         return plan
-    rows = [r for r in plan["strategies"] if (restrict_ckpt is None or r["activation_checkpointing"] == restrict_ckpt)
-            and (restrict_offload is None or r["cpu_offload"] == restrict_offload)]
+    def keep(r: Dict[str, Any]) -> bool:
+        return ((restrict_ckpt is None or r["activation_checkpointing"] == restrict_ckpt)
+                and (restrict_offload is None or r["cpu_offload"] == restrict_offload))
+
+    rows = [r for r in plan["strategies"] if keep(r)]
+    tp_rows = [r for r in plan["tensor_parallel"] if keep(r)]
     if not rows:
         raise ShardlightError("no configuration matches --activation-checkpointing/--cpu-offload")
-    plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"])
+    if model is not None and plan["memory"]["source"] == "fake-step" and tp_rows:
+        # Among the rows left, another TP row may contend: measure it as make_plan measures its contenders.
+        measured = plan["tp"].setdefault("measured", [])
+        measured += [m for m in measure_tp_contenders(rows, tp_rows, model, cluster, work) if m not in measured]
+    plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"], tp_rows=tp_rows)
     plan["strategies"] = rows
+    plan["tensor_parallel"] = tp_rows
     return plan
 
 
@@ -129,8 +151,10 @@ def spec_from_recipe(cfg: RecipeConfig, hf_config: Any) -> ModelSpec:
     """The recipe's model as FSDP would wrap it; ``hf_config``: its Hugging Face config, built by the caller
     (``shardlight.build.build_hf_config(cfg.model)``)."""
     classes = cfg.fsdp.transformer_cls_names_to_wrap
+    tp_plan = cfg.parallelism.tp_plan
     spec = model_spec(hf_config, name=cfg.name, block_classes=list(classes) if classes else None,
-                      trust_remote_code=cfg.model.trust_remote_code, lora_targets=cfg.peft.target_modules)
+                      trust_remote_code=cfg.model.trust_remote_code, lora_targets=cfg.peft.target_modules,
+                      tp_plan=dict(tp_plan) if tp_plan is not None else None)
     if cfg.fsdp.auto_wrap_policy == "NO_WRAP":
         # One unit: the whole model is gathered at once (SIZE_BASED_WRAP is approximated by the blocks).
         spec.unit_numels = [[n for unit in spec.unit_numels for n in unit]]
@@ -141,8 +165,10 @@ def spec_from_recipe(cfg: RecipeConfig, hf_config: Any) -> ModelSpec:
 def step_model_from_recipe(cfg: RecipeConfig, hf_config: Any) -> StepModel:
     """What the fake step builds for this recipe: its config, wrapped as ``cfg.fsdp`` wraps it."""
     classes = cfg.fsdp.transformer_cls_names_to_wrap
+    tp_plan = cfg.parallelism.tp_plan
     return StepModel(hf_config, block_classes=list(classes) if classes else None,
-                     wrap_blocks=cfg.fsdp.auto_wrap_policy != "NO_WRAP", trust_remote_code=cfg.model.trust_remote_code)
+                     wrap_blocks=cfg.fsdp.auto_wrap_policy != "NO_WRAP", trust_remote_code=cfg.model.trust_remote_code,
+                     tp_plan=dict(tp_plan) if tp_plan is not None else None)
 
 
 def workload_from_recipe(cfg: RecipeConfig) -> Workload:
@@ -178,6 +204,18 @@ def memory_line(memory: Dict[str, Any]) -> str:
     return f"memory: analytic model ({memory.get('reason', 'no model config to run')})"
 
 
+def tp_line(plan: Dict[str, Any]) -> str:
+    info = plan.get("tp") or {}
+    if not info.get("candidates") or not plan.get("tensor_parallel"):
+        return f"tensor parallelism: not costed ({info.get('skipped') or 'no candidate'})"
+    measured = info.get("measured") or []
+    how = (f"memory analytic except {', '.join(measured)} (fake step with a TP mesh, measured where they contend)"
+           if measured else "memory analytic (the fake step measures a TP row only when the rule would pick it)"
+           if plan.get("memory", {}).get("source") == "fake-step" else "memory analytic")
+    return (f"tensor parallelism: tp {', '.join(map(str, info['candidates']))} costed (divide the heads, key/value "
+            f"heads, intermediate size and a node's GPUs; FSDP2 over world / tp ranks); {how}")
+
+
 def time_line(plan: Dict[str, Any]) -> str:
     cal = plan.get("calibration")
     if not cal:
@@ -204,14 +242,20 @@ def render(plan: Dict[str, Any]) -> str:
         + (f", {work['peft']} r={work['lora_r']} ({plan['strategies'][0]['trainable_params']:,} trainable params, "
            f"base frozen; FSDP{work['fsdp_version']})" if work.get("peft") else ""),
         memory_line(plan.get("memory", {})),
+        tp_line(plan),
         time_line(plan),
         "",
-        format_table(plan["strategies"]),
+        format_table(plan["strategies"] + plan.get("tensor_parallel", [])),
         "",
         f"recommendation: {rec['label']}" + ("" if rec["fits"] else "  (DOES NOT FIT)"),
     ]
     lines += [f"  - {reason}" for reason in rec["reasons"]]
     mesh = (f" fsdp.mesh_shape=[{rec['mesh_shape'][0]},{rec['mesh_shape'][1]}]" if rec["mesh_shape"] else "")
+    if rec.get("tp_size", 1) > 1:
+        mesh = f" fsdp.fsdp_version=2 parallelism.tp_size={rec['tp_size']}"
+        if rec["mesh_shape"]:
+            mesh += (f" parallelism.dp_replicate_size={rec['mesh_shape'][0]} "
+                     f"parallelism.dp_shard_size={rec['mesh_shape'][1]}")
     lines.append(f"  recipe: fsdp.sharding_strategy={rec['sharding_strategy']}{mesh} "
                  f"fsdp.activation_checkpointing={str(rec['activation_checkpointing']).lower()} "
                  f"fsdp.cpu_offload={str(rec['cpu_offload']).lower()}")
