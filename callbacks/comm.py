@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ from shardlight.diagnosis import Config as DiagnosisConfig
 from shardlight.diagnosis import Diagnosis, diagnose, window_line
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
-from shardlight.trace import combine
-from shardlight.trace.live import analyze_profile, distributed_info
+from shardlight.trace import analyze_trace_file, combine
+from shardlight.trace.live import analyze_profile, distributed_info, has_live_events
 
 TRACE_DIR = "traces"
 
@@ -297,22 +298,37 @@ class CommTimeCallback(Callback):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
+        exported = False
         try:
             # payload: what rank 0 needs of this rank to match its collectives with the others' (small)
-            name = window["file"] or f"<rank {rank()} window at step {window['start']}>"
-            result = analyze_profile(prof, payload=True, path=name, dist_info=window.get("dist_info"))
+            if has_live_events(prof):
+                name = window["file"] or f"<rank {rank()} window at step {window['start']}>"
+                result = analyze_profile(prof, payload=True, path=name, dist_info=window.get("dist_info"))
+            else:  # this torch keeps no trace activities in memory (2.11): export the window and read it back
+                result, exported = self._analyse_exported(window, prof), True
             metrics = window_metrics(result, window["seconds"], self.tp_size)
             window["result"] = {"metrics": metrics, "analysis": result}
         except Exception as exc:  # noqa: BLE001
             window["result"] = {"error": f"analysis: {type(exc).__name__}: {exc}"}
         finally:
             window["analysed"].set()
-        if window["file"] is not None:
+        if window["file"] is not None and not exported:
             try:  # for `shardlight analyze` / `diagnose` of the run; the window's metrics do not need it
                 prof.export_chrome_trace(str(window["file"]))
             except Exception as exc:  # noqa: BLE001
                 warn(f"comm window at step {window['start']}: trace not written on rank {rank()} "
                      f"({type(exc).__name__}: {exc})")
+
+    @staticmethod
+    def _analyse_exported(window: Dict[str, Any], prof: torch.profiler.profile) -> Dict[str, Any]:
+        """The file path: export the window's trace (to a temporary file with ``save_traces`` off), analyse it."""
+        if window["file"] is not None:
+            prof.export_chrome_trace(str(window["file"]))
+            return analyze_trace_file(window["file"], payload=True)
+        with tempfile.TemporaryDirectory(prefix="shardlight-window-") as tmp:
+            file = Path(tmp) / f"rank{rank()}.pt.trace.json"
+            prof.export_chrome_trace(str(file))
+            return analyze_trace_file(file, payload=True)
 
     def _join_exports(self) -> None:
         exports, self._exports = self._exports, []

@@ -78,6 +78,16 @@ def _plain(value: Any) -> Any:
         return str(value)
 
 
+def has_live_events(prof: Any) -> bool:
+    """Whether this torch keeps a stopped window's trace activities in memory (``trace_activities()``: torch
+    2.13 does, 2.11 does not; there the window must be exported and read back)."""
+    try:
+        _results(prof)
+    except ShardlightError:
+        return False
+    return True
+
+
 def _results(prof: Any) -> Any:
     """The ``_ProfilerResult`` of a ``torch.profiler.profile``, a ``torch.autograd.profiler.profile``, or itself."""
     results = prof
