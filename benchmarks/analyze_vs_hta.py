@@ -1,16 +1,24 @@
-"""Wall time of ``shardlight analyze`` vs HTA 0.5.0 on the shared NCCL/RCCL trace sets.
+"""Wall time of ``shardlight analyze`` vs HTA 0.5.0, and vs ``gzip -dc``, on the shared NCCL/RCCL trace sets.
 
-HTA (``holistictraceanalysis==0.5.0``, pandas-based) is installed into its own virtual
-environment under a cache directory on first use; it is never a shardlight dependency. Both
-sides do the same work per trace set: load every rank, then communication/computation overlap
-and the temporal breakdown (HTA: ``TraceAnalysis(trace_dir)``, ``get_comm_comp_overlap``,
-``get_temporal_breakdown``; shardlight: ``analyze_traces``, which also computes per-step and
-per-collective metrics). Times exclude interpreter start-up and imports; each set's best of
-``--repeat`` runs is summed. The numbers of both are compared rank by rank.
+Two lines on the shared harness (:mod:`_harness`: ABBA pairs, bootstrap interval, A/A noise):
 
-Prints one JSON line, e.g. ``{"ratio": 0.03, "numbers_match": true, ...}`` (target: ratio <= 0.1).
+* ``analyze_vs_hta``: shardlight (candidate) over HTA (baseline), target ratio <= 0.05. HTA
+  (``holistictraceanalysis==0.5.0``, pandas-based) is installed into its own virtual environment
+  under a cache directory on first use (about 20 s); it is never a shardlight dependency. Both do
+  the same work per trace set: load every rank, then communication/computation overlap and the
+  temporal breakdown (HTA: ``TraceAnalysis(trace_dir)``, ``get_comm_comp_overlap``,
+  ``get_temporal_breakdown``; shardlight: ``analyze_traces``, which also computes per-step and
+  per-collective metrics and the cross-rank split). Their numbers are compared rank by rank:
+  ``numbers_match`` (overlap within 0.01 points, times within 1 us).
+* ``analyze_vs_gunzip``: shardlight over ``gzip -dc`` of the same files to /dev/null (the decode
+  floor: one ``gzip`` process over all files; the uncompressed ones it copies), target <= 1.5.
 
-    python benchmarks/analyze_vs_hta.py [--traces DIR] [--cache-dir DIR] [--repeat N]
+Each arm run is one subprocess over all trace sets, each set read once. Shardlight and HTA time
+their work inside the subprocess, after their imports (interpreter start-up and imports
+excluded); the gzip arm is the wall time of its process (start-up included, about 1 ms).
+``SHARDLIGHT_TRACE_WORKERS`` passes through to the shardlight arm.
+
+    python benchmarks/analyze_vs_hta.py [--traces DIR] [--cache-dir DIR] [--pairs N] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ import venv
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from shardlight.trace import analyze_traces  # noqa: E402
+from _harness import compare, emit  # noqa: E402
 
 HTA_REQUIREMENTS = [
     # HTA's declared requirements pull in jupyterlab; these are the ones its analysis imports.
@@ -40,17 +48,13 @@ import json, logging, sys, time, warnings
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 from hta.trace_analysis import TraceAnalysis
-sets, repeat = json.loads(sys.argv[1]), int(sys.argv[2])
-out = {}
-for set_dir in sets:
-    best = None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        analysis = TraceAnalysis(trace_dir=set_dir)
-        overlap = analysis.get_comm_comp_overlap(visualize=False)
-        breakdown = analysis.get_temporal_breakdown(visualize=False)
-        elapsed = time.perf_counter() - start
-        best = elapsed if best is None else min(best, elapsed)
+out, total = {}, 0.0
+for set_dir in json.loads(sys.argv[1]):
+    start = time.perf_counter()
+    analysis = TraceAnalysis(trace_dir=set_dir)
+    overlap = analysis.get_comm_comp_overlap(visualize=False)
+    breakdown = analysis.get_temporal_breakdown(visualize=False)
+    total += time.perf_counter() - start
     ranks = {}
     for row in overlap.to_dict("records"):
         ranks[str(int(row["rank"]))] = {"overlap_pct": float(row["comp_comm_overlap_pctg"])}
@@ -58,8 +62,21 @@ for set_dir in sets:
         ranks[str(int(row["rank"]))].update(
             idle_us=float(row["idle_time(us)"]), compute_us=float(row["compute_time(us)"]),
             non_compute_us=float(row["non_compute_time(us)"]), span_us=float(row["kernel_time(us)"]))
-    out[set_dir] = {"seconds": best, "ranks": ranks}
-print("HTA_RESULT " + json.dumps(out))
+    out[set_dir] = ranks
+print("RESULT " + json.dumps({"seconds": total, "sets": out}))
+"""
+
+SHARDLIGHT_RUNNER = r"""
+import json, sys, time
+from shardlight.trace import analyze_traces
+out, total = {}, 0.0
+for set_dir in json.loads(sys.argv[1]):
+    start = time.perf_counter()
+    analysis = analyze_traces([set_dir])
+    total += time.perf_counter() - start
+    out[set_dir] = {rank: {key: r[key] for key in ("overlap_pct", "idle_us", "compute_us", "non_compute_us",
+                                                   "span_us")} for rank, r in analysis["ranks"].items()}
+print("RESULT " + json.dumps({"seconds": total, "sets": out}))
 """
 
 
@@ -94,38 +111,39 @@ def trace_sets(traces: Path) -> list[Path]:
     )
 
 
-def time_shardlight(sets: list[Path], repeat: int) -> dict[str, dict]:
-    results = {}
-    for set_dir in sets:
-        best, analysis = None, None
-        for _ in range(repeat):
-            start = time.perf_counter()
-            analysis = analyze_traces([set_dir])
-            elapsed = time.perf_counter() - start
-            best = elapsed if best is None else min(best, elapsed)
-        results[str(set_dir)] = {"seconds": best, "ranks": analysis["ranks"]}
-    return results
+def trace_files(sets: list[Path]) -> list[Path]:
+    return [f for s in sets for f in sorted(s.iterdir()) if f.name.endswith((".json", ".json.gz"))]
 
 
-def time_hta(python: Path, sets: list[Path], repeat: int) -> dict[str, dict]:
+def run_runner(python: str, runner: str, args: list[str]) -> dict:
+    """One arm run: the runner's RESULT line (its seconds and per-set, per-rank numbers)."""
     with tempfile.TemporaryDirectory() as scratch:
-        runner = Path(scratch) / "run_hta.py"
-        runner.write_text(HTA_RUNNER)
-        done = subprocess.run(
-            [str(python), str(runner), json.dumps([str(s) for s in sets]), str(repeat)],
-            capture_output=True, text=True, check=False,
-        )
+        script = Path(scratch) / "runner.py"
+        script.write_text(runner)
+        done = subprocess.run([python, str(script), *args], capture_output=True, text=True, check=False)
     for line in done.stdout.splitlines():
-        if line.startswith("HTA_RESULT "):
-            return json.loads(line[len("HTA_RESULT "):])
-    raise SystemExit(f"HTA run failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"{runner.split()[0]} run failed (exit {done.returncode}): {done.stderr[-2000:]}")
 
 
-def compare(ours: dict, theirs: dict) -> dict:
+def time_gunzip(files: list[Path]) -> float:
+    """Wall seconds of one ``gzip -dc -f`` over all files into /dev/null (``-f`` copies plain JSON)."""
+    with open(os.devnull, "wb") as sink:
+        start = time.perf_counter()
+        subprocess.run(["gzip", "-dc", "-f", *map(str, files)], stdout=sink, check=True)
+        return time.perf_counter() - start
+
+
+def numbers_match(ours: dict, theirs: dict) -> dict:
+    """Rank by rank, shardlight's numbers against HTA's."""
     worst_us, worst_pct, mismatches = 0.0, 0.0, []
-    for set_dir, hta in theirs.items():
-        for rank, want in hta["ranks"].items():
-            got = ours[set_dir]["ranks"][rank]
+    for set_dir, ranks in theirs.items():
+        for rank, want in ranks.items():
+            got = ours[set_dir].get(rank)
+            if got is None:
+                mismatches.append(f"{Path(set_dir).name}/{rank}/missing")
+                continue
             pct = abs(got["overlap_pct"] - want["overlap_pct"])
             worst_pct = max(worst_pct, pct)
             if pct > 0.01:
@@ -143,30 +161,41 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=Path, default=default_traces_dir())
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=8, help="pairs at least (the harness' min_pairs)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="time budget of each line (s)")
     args = parser.parse_args(argv)
     if not args.traces.is_dir():
         print(f"error: trace sets not found at {args.traces} (set SHARDLIGHT_SHARED_TRACES)", file=sys.stderr)
         return 2
     sets = trace_sets(args.traces)
-    python = ensure_hta_venv(args.cache_dir)
-    ours = time_shardlight(sets, args.repeat)
-    theirs = time_hta(python, sets, args.repeat)
-    ours_s = sum(r["seconds"] for r in ours.values())
-    theirs_s = sum(r["seconds"] for r in theirs.values())
-    line = {
-        "benchmark": "analyze_vs_hta",
-        "sets": len(sets),
-        "ranks": sum(len(r["ranks"]) for r in ours.values()),
-        "shardlight_s": round(ours_s, 3),
-        "hta_s": round(theirs_s, 3),
-        "ratio": round(ours_s / theirs_s, 4),
-        "target_ratio": 0.1,
-        "hta_version": "0.5.0",
-        "repeat": args.repeat,
-    }
-    line.update(compare(ours, theirs))
-    print(json.dumps(line))
+    files = trace_files(sets)
+    set_args = [json.dumps([str(s) for s in sets])]
+    hta_python = str(ensure_hta_venv(args.cache_dir))
+    last: dict[str, dict] = {}
+
+    def shardlight() -> dict:
+        last["shardlight"] = run_runner(sys.executable, SHARDLIGHT_RUNNER, set_args)
+        return {"wall_s": last["shardlight"]["seconds"]}
+
+    def hta() -> dict:
+        last["hta"] = run_runner(hta_python, HTA_RUNNER, set_args)
+        return {"wall_s": last["hta"]["seconds"]}
+
+    def gunzip() -> dict:
+        return {"wall_s": time_gunzip(files)}
+
+    limits = {"min_pairs": max(args.pairs, 2), "max_pairs": max(args.pairs, 40), "budget_s": args.budget_s}
+    common = {"sets": len(sets), "files": len(files), "imports": "excluded (gzip: its process start included)"}
+    result = compare("analyze_vs_hta", baseline=hta, candidate=shardlight, metric="wall_s", target=0.05,
+                     bound="upper", **limits)
+    ranks = sum(len(r) for r in last["shardlight"]["sets"].values())
+    result.update(common, ranks=ranks, hta_version="0.5.0",
+                  **numbers_match(last["shardlight"]["sets"], last["hta"]["sets"]))
+    emit(result)
+    result = compare("analyze_vs_gunzip", baseline=gunzip, candidate=shardlight, metric="wall_s", target=1.5,
+                     bound="upper", **limits)
+    result.update(common, ranks=ranks)
+    emit(result)
     return 0
 
 

@@ -21,6 +21,9 @@ Across ranks, each collective's time is split into WAIT (for the last rank of it
 arrive) and TRANSFER (after it arrived), with clock offsets between ranks estimated from the
 collectives' ends; bus bandwidth per collective uses nccl-tests' sizes and factors. Input
 time is torch DataLoader's __next__ on the main thread.
+
+Large inputs are decoded in worker processes (several files at once, or a large file in parts)
+when CPUs are idle; --workers sets how many.
 """
 
 
@@ -41,14 +44,19 @@ def add_parsers(subparsers) -> None:
                         help="keep the last ProfilerStep (HTA drops it when a trace has 2 or more)")
     parser.add_argument("--link-peak-gbps", type=float, metavar="GB/s", default=None,
                         help="a link's peak bandwidth (GB/s): report bus bandwidth as a share of it")
+    parser.add_argument("--workers", type=int, metavar="N", default=None,
+                        help="processes that decode the trace files (default: from their size and the idle "
+                             "CPUs; 1: none). Same results either way")
     parser.set_defaults(func=run_analyze)
 
 
 def run_analyze(args) -> int:
     if args.link_peak_gbps is not None and not args.link_peak_gbps > 0:
         raise ShardlightError(f"--link-peak-gbps must be a positive GB/s figure, got {args.link_peak_gbps}")
+    if args.workers is not None and args.workers < 1:
+        raise ShardlightError(f"--workers must be 1 or more, got {args.workers}")
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
-                              link_peak_gbps=args.link_peak_gbps)
+                              link_peak_gbps=args.link_peak_gbps, workers=args.workers)
     print(format_table(analysis))
     summary = format_summary(analysis)
     if summary:

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.metrics import UNASSIGNED_STEP, collect_step_names, measure_record, prepare
+from shardlight.trace.parallel import read_traces
 from shardlight.trace.payload import ALL, build_payload
 from shardlight.trace.reader import read_trace
 from shardlight.trace.records import TraceRecord
@@ -38,14 +39,22 @@ def is_trace_name(path: Path) -> bool:
     return path.name.endswith(TRACE_SUFFIXES)
 
 
-def _load_directory(directory: Path, skipped: list[dict[str, str]]) -> list[TraceRecord]:
+def _directory_files(directory: Path) -> list[Path]:
     candidates = sorted(p for p in directory.iterdir() if p.is_file() and is_trace_name(p))
     if not candidates:
         raise ShardlightError(f"{directory}: no trace files (*.json, *.json.gz) in this directory")
+    return candidates
+
+
+def _load_directory(directory: Path, skipped: list[dict[str, str]],
+                    read: dict[Path, TraceRecord | ShardlightError] | None = None) -> list[TraceRecord]:
+    """The usable traces of ``directory``; ``read``: its files' records (or errors) read already."""
+    candidates = _directory_files(directory)
     records = []
     for candidate in candidates:
         try:
-            record = read_trace(candidate)
+            done = read.get(candidate) if read is not None else None
+            record = _take(done) if done is not None else read_trace(candidate)
             source_for(record)  # a file no source can analyse is skipped here, not failed on later
         except ShardlightError as exc:
             # A directory may hold other JSON (configs, reports); skip those, but say so.
@@ -58,23 +67,43 @@ def _load_directory(directory: Path, skipped: list[dict[str, str]]) -> list[Trac
     return records
 
 
-def load_traces(paths: Iterable[str | Path]) -> tuple[list[TraceRecord], list[dict[str, str]]]:
+def _take(result: TraceRecord | ShardlightError) -> TraceRecord:
+    if isinstance(result, ShardlightError):
+        raise ShardlightError(str(result)) from None
+    return result
+
+
+def load_traces(paths: Iterable[str | Path], workers: int | None = None,
+                ) -> tuple[list[TraceRecord], list[dict[str, str]]]:
     """Read every trace named by ``paths`` (files, or directories scanned one level deep).
 
     Returns the records sorted by rank and the directory entries that were skipped, with why.
     A bad file named explicitly, or two files with the same rank, is an error.
+
+    ``workers``: processes that decode the files (:func:`.parallel.read_traces`): None decides
+    from the files' sizes and the CPUs (``SHARDLIGHT_TRACE_WORKERS`` overrides it), 1 reads them
+    here. The records, skips and errors are the same either way.
     """
-    records: list[TraceRecord] = []
     skipped: list[dict[str, str]] = []
-    paths = list(paths)
+    paths = [Path(raw) for raw in paths]
     if not paths:
         raise ShardlightError("no trace path given")
-    for raw in paths:
-        path = Path(raw)
+    read = None
+    if workers != 1:
+        files: list[Path] = []
+        for path in paths:
+            try:
+                files.extend(_directory_files(path) if path.is_dir() else [path] if path.is_file() else [])
+            except (ShardlightError, OSError):
+                pass  # worded below, in order
+        read = read_traces(files, workers)
+    records: list[TraceRecord] = []
+    for path in paths:
         if path.is_dir():
-            records.extend(_load_directory(path, skipped))
+            records.extend(_load_directory(path, skipped, read))
         elif path.exists():
-            record = read_trace(path)
+            done = read.get(path) if read is not None else None
+            record = _take(done) if done is not None else read_trace(path)
             source_for(record)
             records.append(record)
         else:
@@ -203,14 +232,15 @@ def analyze_records(records: list[TraceRecord], include_last_step: bool = False,
 
 
 def analyze_traces(paths: Iterable[str | Path] | str | Path, include_last_step: bool = False,
-                   link_peak_gbps: float | None = None) -> dict[str, Any]:
+                   link_peak_gbps: float | None = None, workers: int | None = None) -> dict[str, Any]:
     """Analyse the traces of one run: ``{"ranks": {"<rank>": {...}}, "summary": {...}}``.
 
     ``paths`` are trace files or directories of them (one file per rank). This is the dict that
     ``shardlight analyze --json`` writes. ``link_peak_gbps``: a link's peak bandwidth, to report
-    the bus bandwidth as a share of it.
+    the bus bandwidth as a share of it. ``workers``: processes that decode the files (see
+    :func:`load_traces`; None decides).
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    records, skipped = load_traces(paths)
+    records, skipped = load_traces(paths, workers=workers)
     return analyze_records(records, include_last_step, skipped, link_peak_gbps)

@@ -33,12 +33,17 @@ A chunk whose counts disagree (another key order, a negative id, an unexpected c
 decoded event by event instead (``_scan_pieces``). Anything else unexpected -- a separator inside
 a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file is read in full
 by :mod:`shardlight.trace.reader`, which also words the errors.
+
+A large file can be scanned by several processes at once (:func:`scan_part`, :func:`merge_parts`):
+each inflates the whole file -- the chunks, and so the cuts into runs of events, are the same in
+each -- and scans the runs that start in its blocks; the merged record equals ``scan_trace``'s.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import zlib
 from bisect import bisect_left
 from itertools import repeat
@@ -156,6 +161,69 @@ class _Window:
 
 def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
     """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
+    record = _scan(path, chunk_chars, None)
+    _check(record)
+    return record
+
+
+# A part (scan_part) owns the events starting in every n-th block of this many decompressed bytes.
+PART_BLOCK = 2 << 20
+
+
+Part = tuple[TraceRecord, list[tuple[int, TraceRecord]]]  # what scan_part returns
+
+
+def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
+    """Part ``index`` of ``parts`` of scan_trace, for :func:`merge_parts` (FastPathMiss as scan_trace).
+
+    Every part reads the whole file and cuts it into the same runs of events (the cuts depend on
+    the bytes alone); a run belongs to the part that owns the block its first event starts in,
+    blocks going round the parts in turn (so each gets its share of the dense stretches), and
+    every event is read by exactly one part. Returns the file's record without events (rank,
+    process groups, float timestamps) and, per block with runs of this part, (block, their record).
+    """
+    segments: list[tuple[int, TraceRecord]] = []
+    header = _scan(path, chunk_chars, (index, parts, segments))
+    return header, segments
+
+
+def merge_parts(parts: list[Part]) -> TraceRecord:
+    """One file's record from all its ``scan_part`` results: equal to its scan_trace record.
+
+    The blocks' records are joined in file order: columns and rows concatenate, and the launch
+    times keep the earliest per id (in first-seen order).
+    """
+    header = parts[0][0]
+    merged = TraceRecord(path=header.path, rank=header.rank, world_size=header.world_size,
+                         process_groups=header.process_groups)
+    merged.float_timestamps = any(head.float_timestamps for head, _ in parts)
+    launch_ts = merged.launch_ts
+    for _, part in sorted((segment for _, segments in parts for segment in segments), key=lambda item: item[0]):
+        offset = len(merged.gpu_name)
+        merged.float_timestamps = merged.float_timestamps or part.float_timestamps
+        merged.gpu_name.extend(part.gpu_name)
+        merged.gpu_ts.extend(part.gpu_ts)
+        merged.gpu_dur.extend(part.gpu_dur)
+        merged.gpu_correlation.extend(part.gpu_correlation)
+        merged.gpu_is_kernel.extend(part.gpu_is_kernel)
+        merged.gpu_args.update((offset + row, args) for row, args in part.gpu_args.items())
+        if launch_ts.keys().isdisjoint(part.launch_ts):
+            launch_ts.update(part.launch_ts)
+        else:
+            for correlation, ts in part.launch_ts.items():
+                earlier = launch_ts.get(correlation)
+                if earlier is None or ts < earlier:
+                    launch_ts[correlation] = ts
+        merged.step_rows.extend(part.step_rows)
+        merged.step_names.update(part.step_names)
+        for prefix, rows in part.cpu_rows.items():
+            merged.cpu_rows.setdefault(prefix, []).extend(rows)
+    merged.cpu_rows.setdefault(INPUT_PREFIX, [])
+    _check(merged)
+    return merged
+
+
+def _scan(path: Path, chunk_chars: int, part) -> TraceRecord:
     record = TraceRecord(path=str(path), rank=0)
     try:
         chunks = Chunks(path, chunk_chars // 2)  # see Chunks.__init__ on the size
@@ -163,7 +231,7 @@ def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
         raise FastPathMiss("cannot open") from None
     try:
         window = _Window(chunks)
-        scanner = _Scanner(record)
+        scanner = _Scanner(record, part)
         if window.expect(b"{[") == ord("["):
             scanner.events(window)
         elif not _top_object(window, scanner, record):
@@ -171,16 +239,19 @@ def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
         if window.peek() >= 0:
             raise FastPathMiss("extra data")
         record.float_timestamps = record.float_timestamps or chunks.float_ts
-        if not record.float_timestamps and _fractional_durations(record):
-            # An event without "ts" also makes HTA round (its ts column turns float), which
-            # changes only fractional durations; finding such events takes the full read.
-            raise FastPathMiss("fractional durations")
     # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and zlib.error come from reading.
     except (ValueError, RecursionError, OSError, EOFError, zlib.error) as exc:
         raise FastPathMiss(str(exc)) from None
     finally:
         chunks.close()
     return record
+
+
+def _check(record: TraceRecord) -> None:
+    if not record.float_timestamps and _fractional_durations(record):
+        # An event without "ts" also makes HTA round (its ts column turns float), which
+        # changes only fractional durations; finding such events takes the full read.
+        raise FastPathMiss("fractional durations")
 
 
 def _fractional_durations(record: TraceRecord) -> bool:
@@ -255,9 +326,27 @@ def _texts(raw: tuple[bytes, ...]) -> list[str]:
 
 
 class _Scanner:
-    def __init__(self, record: TraceRecord):
+    def __init__(self, record: TraceRecord, part: tuple[int, int, list] | None = None):
         self.record = record
         self.collector = Collector(record, cpu_prefixes=(INPUT_PREFIX,))
+        self._part = part
+        self._block = -1
+
+    def _owns(self, offset: int) -> bool:
+        """Whether the run of events starting at file ``offset`` is this part's (see scan_part);
+        the events of each block of a part go to their own record."""
+        if self._part is None:
+            return True
+        index, parts, segments = self._part
+        block = offset // PART_BLOCK
+        if block % parts != index:
+            return False
+        if block != self._block:
+            self._block = block
+            self.record = TraceRecord(path=self.record.path, rank=0)
+            self.collector = Collector(self.record, cpu_prefixes=(INPUT_PREFIX,))
+            segments.append((block, self.record))
+        return True
 
     def events(self, window: _Window) -> None:
         """Everything from after traceEvents' "[" to after its "]"."""
@@ -271,15 +360,20 @@ class _Scanner:
                 limit = window.array_end(start)
                 cut = _last_event_start(buf, start, limit)
                 if cut > start:
-                    steps = window.steps
-                    first = bisect_left(steps, window.base + start)
-                    last = bisect_left(steps, window.base + cut, first)
-                    self._scan_region(buf, start, cut, [at - window.base for at in steps[first:last]])
+                    if self._owns(window.base + start):
+                        steps = window.steps
+                        first = bisect_left(steps, window.base + start)
+                        last = bisect_left(steps, window.base + cut, first)
+                        self._scan_region(buf, start, cut, [at - window.base for at in steps[first:last]])
                     window.pos = cut
                 elif limit < len(buf) or not window.fill():
                     break
             # ...then one event decoded in full: the last one, or one holding "}]".
-            self.collector.add(window.value())
+            window.peek()
+            owned = self._owns(window.base + window.pos)
+            event = window.value()
+            if owned:
+                self.collector.add(event)
             if window.expect(b",]") == ord("]"):
                 return
 
@@ -339,7 +433,7 @@ class _Scanner:
             self.record.float_timestamps = True
         durations, _ = _numbers(durations)
         record = self.record
-        record.gpu_name.extend(_texts(names))
+        record.gpu_name.extend(map(sys.intern, _texts(names)))  # kernel names repeat: share them
         record.gpu_ts.extend(stamps)
         record.gpu_dur.extend(durations)
         record.gpu_correlation.extend(map(int, correlations))

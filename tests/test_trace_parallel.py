@@ -1,0 +1,233 @@
+"""Decoding a run's trace files in worker processes gives what reading them one by one gives.
+
+The shared real traces and a synthetic multi-file set are loaded both ways and compared field by
+field; a file a worker cannot read gives the same one-line error (or skip reason) as a serial read.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from shardlight.errors import ShardlightError
+from shardlight.trace import analyze_traces, fastscan, parallel, reader
+from shardlight.trace.analysis import load_traces
+from shardlight.trace.fastscan import merge_parts, scan_part
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SHARDLIGHT_SHARED_TRACES") or REPO.parent / "shared" / "traces")
+needs_shared = pytest.mark.skipif(not (SHARED / "reference.json").is_file(),
+                                  reason=f"shared reference traces not found at {SHARED} (set SHARDLIGHT_SHARED_TRACES)")
+
+
+def _sets() -> list[Path]:
+    return sorted(p for p in SHARED.iterdir() if p.is_dir()) if SHARED.is_dir() else []
+
+
+def _fields(loaded):
+    records, skipped = loaded
+    return [asdict(record) for record in records], skipped
+
+
+# --- synthetic traces (Kineto's key order, so the fast scanner reads them) ---------------------
+
+def _trace(rank: int, world: int, steps: int = 3, kernels: int = 40) -> dict:
+    events, correlation = [], 0
+    for step in range(steps):
+        base = 1_000_000 * (step + 1) + 37 * rank
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 0, "tid": 1,
+                       "ts": base, "dur": 900_000})
+        for k in range(kernels):
+            correlation += 1
+            ts = base + 10_000 * k
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 0, "tid": 1,
+                           "ts": ts, "dur": 5, "args": {"correlation": correlation}})
+            nccl = k % 4 == 0
+            args = {"stream": 20 if nccl else 7, "correlation": correlation}
+            if nccl:
+                args.update({"Collective name": "allreduce", "In msg nelems": 1024 * (k + 1),
+                             "Out msg nelems": 1024 * (k + 1), "Group size": world, "dtype": "Float",
+                             "Process Group Name": "0", "Process Group Ranks": str(list(range(world))),
+                             "Seq": step * kernels + k})
+            events.append({"ph": "X", "cat": "kernel",
+                           "name": "ncclKernel_AllReduce_RING_LL_Sum_float" if nccl else f"gemm_{k % 3}",
+                           "pid": 0, "tid": args["stream"], "ts": ts + 20 + rank, "dur": 3000 + 11 * k + rank,
+                           "args": args})
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
+            "traceEvents": events}
+
+
+def _write_run(directory: Path, world: int = 4) -> Path:
+    directory.mkdir(parents=True)
+    for rank in range(world):
+        text = json.dumps(_trace(rank, world))
+        if rank % 2:
+            (directory / f"rank{rank}.json").write_text(text)
+        else:
+            with gzip.open(directory / f"rank{rank}.json.gz", "wt") as handle:
+                handle.write(text)
+    (directory / "config.json").write_text('{"not": "a trace"}')  # skipped, with a reason
+    return directory
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+@needs_shared
+@pytest.mark.parametrize("name", [p.name for p in _sets()])
+def test_parallel_load_equals_serial_on_shared_traces(name):
+    serial = _fields(load_traces([SHARED / name], workers=1))
+    parallel = _fields(load_traces([SHARED / name], workers=4))
+    assert parallel == serial
+
+
+@needs_shared
+def test_parallel_analysis_equals_serial_on_shared_traces(monkeypatch):
+    sets = [p for p in _sets() if len(list(p.iterdir())) > 1]
+    assert sets, "no multi-file set among the shared traces"
+    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "1")
+    serial = [json.dumps(analyze_traces([s]), sort_keys=True) for s in sets]
+    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "3")
+    parallel = [json.dumps(analyze_traces([s]), sort_keys=True) for s in sets]
+    assert parallel == serial
+
+
+def test_parallel_load_equals_serial_on_synthetic_run(tmp_path):
+    run = _write_run(tmp_path / "run")
+    serial = _fields(load_traces([run], workers=1))
+    assert [r["rank"] for r in serial[0]] == [0, 1, 2, 3]
+    assert [Path(s["file"]).name for s in serial[1]] == ["config.json"]
+    for workers in (2, 3, 8):
+        assert _fields(load_traces([run], workers=workers)) == serial
+    # Files named one by one, and a directory and a file together, read the same way too.
+    files = sorted(p for p in run.iterdir() if p.name.startswith("rank"))
+    assert _fields(load_traces(files, workers=2))[0] == serial[0]
+
+
+def test_workers_really_are_other_processes(tmp_path, monkeypatch):
+    run = _write_run(tmp_path / "run")
+    files = sorted(p for p in run.iterdir() if p.name.startswith("rank"))
+    real = reader.read_trace
+
+    def read_and_say_where(path):
+        record = real(path)
+        record.path = f"{record.path}@{os.getpid()}"
+        return record
+
+    monkeypatch.setattr(reader, "read_trace", read_and_say_where)
+    monkeypatch.delenv("SHARDLIGHT_TRACE_WORKERS", raising=False)
+    pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files, workers=2).values()}
+    assert str(os.getpid()) not in pids and pids
+    # Small files on their own stay in this process (a pool would cost more than it saves)...
+    monkeypatch.setattr(parallel, "_idle_cpus", lambda: 2)
+    pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
+    assert pids == {str(os.getpid())}
+    # ...enough bytes in all go to workers, unless the CPUs are busy (the load average says).
+    monkeypatch.setattr(parallel, "_PARALLEL_MIN_BYTES", 0)
+    pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
+    assert str(os.getpid()) not in pids
+    monkeypatch.setattr(parallel, "_idle_cpus", lambda: 1)
+    pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
+    assert pids == {str(os.getpid())}
+
+
+def test_worker_count_env_override(tmp_path, monkeypatch):
+    files = {tmp_path / "a.json": 10, tmp_path / "b.json": 10}
+    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "2")
+    assert parallel._worker_count(files, None) == 2
+    assert parallel._worker_count(files, 1) == 1
+    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "many")
+    with pytest.raises(ShardlightError, match="SHARDLIGHT_TRACE_WORKERS must be a whole number"):
+        parallel._worker_count(files, None)
+
+
+@needs_shared
+@pytest.mark.parametrize("name", [p.name for p in _sets()])
+def test_scan_in_parts_equals_one_scan_on_shared_traces(name, monkeypatch):
+    for path in sorted((SHARED / name).iterdir()):
+        whole = reader.read_trace(path)
+        for parts, block in ((2, fastscan.PART_BLOCK), (3, 1 << 16)):
+            monkeypatch.setattr(fastscan, "PART_BLOCK", block)
+            merged = merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)])
+            assert asdict(merged) == asdict(whole)
+            assert list(merged.launch_ts) == list(whole.launch_ts)  # the same order, too
+
+
+def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "_CHUNK_CHARS", 1 << 13)  # many windows, so the parts interleave
+    monkeypatch.setattr(fastscan, "PART_BLOCK", 1 << 13)
+    monkeypatch.setattr(parallel, "_SPLIT_MIN_BYTES", 1 << 12)
+    path = tmp_path / "big.json.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write(json.dumps(_trace(rank=3, world=4, steps=4, kernels=300)))
+    serial = asdict(reader.read_trace(path))
+    assert parallel._plan({path: parallel._decoded_size(path)}, 3) == [(path, (0, 3)), (path, (1, 3)), (path, (2, 3))]
+    assert asdict(parallel.read_traces([path], workers=3)[path]) == serial
+    for parts in (2, 5):
+        merged = merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)])
+        assert asdict(merged) == serial
+    # Files the fast scan is not sure of are read in full, as they are serially: a separator
+    # inside a string, and a CPU trace (no device rows).
+    odd = tmp_path / "odd.json"
+    trace = _trace(rank=3, world=4, steps=4, kernels=300)
+    trace["traceEvents"][700]["name"] = 'gemm_{lambda()#1}, {"odd": "name"}'
+    odd.write_text(json.dumps(trace))
+    with pytest.raises(fastscan.FastPathMiss):
+        fastscan.scan_trace(odd, reader._CHUNK_CHARS)
+    assert asdict(parallel.read_traces([odd], workers=2)[odd]) == asdict(reader.read_trace(odd))
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": f"gloo:all_reduce#{i}", "pid": 0,
+                                                "tid": 1, "ts": 10 * i, "dur": 5} for i in range(3000)]}))
+    assert asdict(parallel.read_traces([cpu], workers=2)[cpu]) == asdict(reader.read_trace(cpu))
+
+
+def _corrupt(directory: Path) -> dict[str, Path]:
+    good = _write_run(directory)
+    gz = (good / "rank0.json.gz").read_bytes()
+    bad = {
+        "truncated_gzip": gz[: len(gz) // 2],
+        "corrupt_gzip": gz[:20] + bytes(b ^ 0x5A for b in gz[20:60]) + gz[60:],
+        "truncated_json": (good / "rank1.json").read_bytes()[:5000],
+        "not_utf8": b'{"traceEvents": [{"name": "\xff"}]}',
+    }
+    paths = {}
+    for name, data in bad.items():
+        paths[name] = good / f"{name}.json"
+        paths[name].write_bytes(data)
+    return paths
+
+
+def test_worker_error_is_the_same_one_line_error(tmp_path):
+    bad = _corrupt(tmp_path / "run")
+    run = tmp_path / "run"
+    good = sorted(p for p in run.iterdir() if p.name.startswith("rank"))
+    for name, path in bad.items():
+        messages = []
+        for workers in (1, 2):
+            with pytest.raises(ShardlightError) as caught:
+                load_traces([*good, path], workers=workers)
+            messages.append(str(caught.value))
+        assert messages[0] == messages[1], name
+        assert "\n" not in messages[1] and messages[1].startswith(str(path)), messages[1]
+
+
+def test_worker_errors_in_a_directory_are_the_same_skips(tmp_path):
+    _corrupt(tmp_path / "run")
+    serial = _fields(load_traces([tmp_path / "run"], workers=1))
+    parallel = _fields(load_traces([tmp_path / "run"], workers=2))
+    assert parallel == serial
+    assert len(serial[1]) == 5 and all("\n" not in s["reason"] for s in serial[1])
+
+
+def test_missing_path_is_reported_in_order(tmp_path):
+    run = _write_run(tmp_path / "run")
+    for workers in (1, 2):
+        with pytest.raises(ShardlightError, match="no such file or directory"):
+            load_traces([run, tmp_path / "absent"], workers=workers)
+        with pytest.raises(ShardlightError, match="no trace files"):
+            (tmp_path / "empty").mkdir(exist_ok=True)
+            load_traces([tmp_path / "empty", run], workers=workers)
