@@ -36,13 +36,14 @@ lint: setup
 	PYTHONPATH=$(LINT_SITE) $(BIN)/lint-imports
 
 # Every benchmark appends its JSON line to $(BENCH_RESULTS) (benchmarks/_harness.py); the table of them ends
-# the run. BENCH=name runs one. Files starting with _ are the harness and helpers, not benchmarks.
+# the run. BENCH="strategy_overhead analyze_vs_hta" runs those. Files starting with _ are the harness and
+# the benchmarks' helpers, not benchmarks.
 BENCH_RESULTS := build/bench/results.jsonl
-BENCH ?= [a-z]*
+BENCH ?= $(basename $(notdir $(wildcard benchmarks/[a-z]*.py)))
 bench: setup
 	@mkdir -p $(dir $(BENCH_RESULTS)) && rm -f $(BENCH_RESULTS)
-	@for b in benchmarks/$(BENCH).py; do echo "# $$b" >&2; \
-		SHARDLIGHT_BENCH_RESULTS=$(abspath $(BENCH_RESULTS)) $(BIN)/python $$b || exit 1; done
+	@for b in $(BENCH); do echo "# benchmarks/$$b.py" >&2; \
+		SHARDLIGHT_BENCH_RESULTS=$(abspath $(BENCH_RESULTS)) $(BIN)/python benchmarks/$$b.py || exit 1; done
 	@$(BIN)/python benchmarks/_harness.py table $(BENCH_RESULTS)
 
 clean:

@@ -2,7 +2,7 @@
 ABBA pairs, ci90, A/A noise).
 
 Arms, each one fresh process tree per run (this script in ``--run`` mode, 2 gloo ranks, FULL_SHARD): the
-default recipe trained for ``--steps`` (160: windows at 5, 50, 100 and 150, each gathered inside the loop) with
+default recipe trained for ``--steps`` (110: windows at 5, 50 and 100, each gathered inside the loop) with
 a step timer on every rank, validation and checkpoints off (not in a step), W&B off (the CSV logger stays):
 
 * ``--arms off-on`` (the default): baseline ``callbacks.comm.enabled=false``, candidate ``true`` (its default
@@ -247,8 +247,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
     parser.add_argument("--max-pairs", type=int, default=40)
-    parser.add_argument("--budget-s", type=float, default=1500.0, help="stop adding pairs after this long")
-    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="stop adding pairs after this long")
+    parser.add_argument("--steps", type=int, default=110, help="optimizer steps per run (windows at 5, 50, 100)")
     parser.add_argument("--arms", choices=sorted(ARMS), default="off-on")
     parser.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)  # one arm's run, into this dir
     parser.add_argument("--file-analysis", action="store_true", help=argparse.SUPPRESS)
