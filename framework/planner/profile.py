@@ -43,6 +43,9 @@ from shardlight.recipe import ModelConfig, RecipeConfig, load_recipe
 
 DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 MIN_STEPS = 6
+# The comm profiling windows of every sweep run (``window_schedule``): where the first starts, how far apart
+# they start (room for the previous window's analysis between them), warm-up and recorded steps of each.
+FIRST_WINDOW, WINDOW_EVERY, WINDOW_WARMUP, WINDOW_ACTIVE = 2, 10, 1, 4
 LOG_EVERY = 2
 PREDICTED_KEYS = ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "activation_bytes", "logits_bytes",
                   "comm_time_s", "compute_time_s", "step_time_s", "bound", "fits", "tokens_per_sec_per_device")
@@ -87,11 +90,23 @@ def sweep_strategies(names: Sequence[str], cfg: RecipeConfig) -> List[str]:
     return strategies
 
 
+def window_schedule(steps: int) -> Dict[str, int]:
+    """The comm profiling windows of a sweep run of ``steps`` steps: the first at ``FIRST_WINDOW`` (after the
+    first step's allocations), then one every ``WINDOW_EVERY`` steps while it fits, each ``WINDOW_WARMUP``
+    traced step and up to ``WINDOW_ACTIVE`` recorded ones (the last dropped by the analysis). The calibration
+    takes medians over every analysed step of every window but the first, so a longer run (``--steps 40``:
+    four windows) calibrates on more steps; a short one still gets its one window."""
+    active = max(2, min(WINDOW_ACTIVE, steps - FIRST_WINDOW - WINDOW_WARMUP))
+    return {"first_step": FIRST_WINDOW, "every_n_steps": WINDOW_EVERY, "warmup": WINDOW_WARMUP, "active": active}
+
+
 def sweep_overrides(steps: int, out: Path) -> List[str]:
     """The overrides every run of the sweep gets: its length, logging and profiling windows, its output."""
+    windows = [f"callbacks.comm.{key}={value}" for key, value in window_schedule(steps).items()]
     return [f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={LOG_EVERY}",
             f"trainer.val_every_n_steps={steps * 10}", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
-            "callbacks.comm.first_step=2", f"callbacks.comm.every_n_steps={steps * 10}",
+            # The calibration reads every window's trace files.
+            *windows, "callbacks.comm.wait=0", "callbacks.comm.keep_windows=null", "callbacks.comm.save_traces=true",
             f"callbacks.memory.every_n_steps={LOG_EVERY}", f"callbacks.throughput.every_n_steps={LOG_EVERY}",
             f"output_dir={out / 'runs'}"]
 
