@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +262,8 @@ def gloo_run(tmp_path_factory) -> Path:
 
 def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
     ratios: dict[str, list[float]] = {kind: [] for kind in SIZES}
+    best_call: dict[str, float] = {}  # the highest bus bandwidth of any call: perf_counter, and the trace's
+    best_trace: dict[str, float] = {}
     for rep in range(REPS):
         window = gloo_run / "timing" / f"rep{rep}"
         analysis = analyze_traces(window)
@@ -280,9 +281,12 @@ def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
             reported = analysis["summary"]["bandwidth"][kind]
             assert reported["bytes"] == SIZES[kind] and reported["count"] == 1
             ratios[kind].append(reported["busbw_gbps"] / measured)
-    # Call by call, then the median: a busy host stretches single calls (thread wake-ups) both ways.
+            best_call[kind] = max(best_call.get(kind, 0.0), measured)
+            best_trace[kind] = max(best_trace.get(kind, 0.0), reported["busbw_gbps"])
+    # The best call of each side (the usual estimate under noise): a busy host stretches single calls
+    # (thread wake-ups, which perf_counter times and the trace's gloo work does not) only upwards.
     for kind, values in ratios.items():
-        ratio = statistics.median(values)
+        ratio = best_trace[kind] / best_call[kind]
         if kind == "reduce_scatter":
             # gloo runs reduce_scatter_tensor as a clone of the whole input on the calling thread,
             # an all_reduce (the gloo:all_reduce work: the transfer), and a copy of the chunk out.
@@ -300,8 +304,13 @@ def test_gloo_stall_is_wait_on_the_early_rank(gloo_run):
     steps = [step for step in early["steps"] if step.isdigit()]
     assert len(steps) == REPS and early["split"]["matched"] == REPS
     stall_us = STALL_MS * 1e3
+    # The truth, timed independently: rank 1 issued each all_gather this long after rank 0 (about the
+    # stall; less when a loaded host delayed rank 0 too). Iteration K is ProfilerStep#K.
+    issued = [json.loads((gloo_run / "stall" / f"rank{rank}.json").read_text())["issued_s"] for rank in (0, 1)]
     for step in steps:
-        assert early["steps"][step]["wait_us"] == pytest.approx(stall_us, rel=0.15), step
+        truth_us = (issued[1][int(step)] - issued[0][int(step)]) * 1e6
+        assert truth_us > 0.5 * stall_us, (step, truth_us)  # the stall is there
+        assert early["steps"][step]["wait_us"] == pytest.approx(truth_us, rel=0.05, abs=2000), step
         assert late["steps"][step]["wait_us"] < 0.05 * stall_us, step
     for result in (early, late):
         split = result["split"]

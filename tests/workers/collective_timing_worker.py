@@ -11,7 +11,9 @@ Two profiled phases, each in its own trace directory:
   those times: ``{"<kind>": {"bytes", "seconds"}}``, bytes in nccl-tests' convention.
 * ``OUT_DIR/stall/rank<R>.pt.trace.json``: REPS + 1 recorded ``ProfilerStep``s (the analysis
   drops the last, as HTA), one all_gather each, no barrier; rank 1 sleeps STALL_MS before each,
-  so rank 0 waits about that long in every one.
+  so rank 0 waits about that long in every one. ``.../stall/rank<R>.json`` holds when each rank issued each
+  all_gather (``{"issued_s": [...]}``, perf_counter: one clock for the host's processes): the true wait of
+  rank 0 in iteration K is rank 1's issue time minus its own, whatever a loaded host adds on either side.
 """
 
 import json
@@ -72,13 +74,17 @@ def stall_phase(rank: int, world: int, reps: int, stall_ms: float, out_dir: str)
     def export(profiler):
         profiler.export_chrome_trace(os.path.join(out_dir, f"rank{rank}.pt.trace.json"))
 
+    issued = []  # perf_counter (one clock for every process of the host) as each all_gather is issued
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
                                 schedule=schedule, on_trace_ready=export) as prof:
         for _ in range(reps + 2):
             if rank == 1:
                 time.sleep(stall_ms / 1e3)
+            issued.append(time.perf_counter())
             dist.all_gather_into_tensor(gather_out, gather_in)
             prof.step()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"issued_s": issued}, handle)
 
 
 def worker(rank: int, world: int, out_dir: str, port: int, reps: int, stall_ms: float) -> None:
