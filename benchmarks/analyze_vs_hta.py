@@ -16,7 +16,6 @@ Two lines on the shared harness (:mod:`_harness`: ABBA pairs, bootstrap interval
 Each arm run is one subprocess over all trace sets, each set read once. Shardlight and HTA time
 their work inside the subprocess, after their imports (interpreter start-up and imports
 excluded); the gzip arm is the wall time of its process (start-up included, about 1 ms).
-``SHARDLIGHT_TRACE_WORKERS`` passes through to the shardlight arm.
 
     python benchmarks/analyze_vs_hta.py [--traces DIR] [--cache-dir DIR] [--pairs N] [--budget-s S]
 """

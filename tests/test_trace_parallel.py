@@ -108,6 +108,13 @@ def test_parallel_load_equals_serial_on_synthetic_run(tmp_path):
     assert _fields(load_traces(files, workers=2))[0] == serial[0]
 
 
+@pytest.fixture(autouse=True)
+def forkable(monkeypatch):
+    """Other tests of a session leave idle threads in pytest's process (loggers, progress monitors), which
+    makes read_traces refuse to fork; these tests fork it on purpose (the rule has its own test)."""
+    monkeypatch.setattr(parallel, "_can_fork", lambda: True)
+
+
 def test_workers_really_are_other_processes(tmp_path, monkeypatch):
     run = _write_run(tmp_path / "run")
     files = sorted(p for p in run.iterdir() if p.name.startswith("rank"))
@@ -119,7 +126,6 @@ def test_workers_really_are_other_processes(tmp_path, monkeypatch):
         return record
 
     monkeypatch.setattr(reader, "read_trace", read_and_say_where)
-    monkeypatch.delenv("SHARDLIGHT_TRACE_WORKERS", raising=False)
     pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files, workers=2).values()}
     assert str(os.getpid()) not in pids and pids
     # Small files on their own stay in this process (a pool would cost more than it saves)...
@@ -135,14 +141,29 @@ def test_workers_really_are_other_processes(tmp_path, monkeypatch):
     assert pids == {str(os.getpid())}
 
 
-def test_worker_count_env_override(tmp_path, monkeypatch):
+def test_worker_count_explicit_or_from_the_bytes_and_idle_cpus(tmp_path, monkeypatch):
     files = {tmp_path / "a.json": 10, tmp_path / "b.json": 10}
-    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "2")
-    assert parallel._worker_count(files, None) == 2
+    assert parallel._worker_count(files, 2) == 2
     assert parallel._worker_count(files, 1) == 1
-    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "many")
-    with pytest.raises(ShardlightError, match="SHARDLIGHT_TRACE_WORKERS must be a whole number"):
-        parallel._worker_count(files, None)
+    assert parallel._worker_count(files, None) == 1  # 20 bytes: not worth a pool
+    monkeypatch.setattr(parallel, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(parallel, "_idle_cpus", lambda: 3)
+    assert parallel._worker_count(files, None) == 3
+
+
+def test_a_threaded_process_reads_here(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.undo()  # the real check, not the autouse fixture's
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert not parallel._can_fork()
+        assert parallel._worker_count({tmp_path / "a.json": 10, tmp_path / "b.json": 10}, 2) == 1
+    finally:
+        stop.set()
+        thread.join()
 
 
 @needs_shared

@@ -81,7 +81,7 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
     A bad file named explicitly, or two files with the same rank, is an error.
 
     ``workers``: processes that decode the files (:func:`.parallel.read_traces`): None decides
-    from the files' sizes and the CPUs (``SHARDLIGHT_TRACE_WORKERS`` overrides it), 1 reads them
+    from the files' sizes and the CPUs, 1 reads them
     here. The records, skips and errors are the same either way.
     """
     skipped: list[dict[str, str]] = []

@@ -32,7 +32,6 @@ _SPLIT_MIN_BYTES = 12 << 20
 # ...into at most this many parts: n parts take (0.27 + 0.73 / n) of a scan each, so more
 # parts gain little (4: 2.2x faster for 1.8x the CPU; 8: 2.7x for 2.9x).
 _MAX_PARTS = 4
-_WORKERS_ENV = "SHARDLIGHT_TRACE_WORKERS"
 _Task = tuple[Path, tuple[int, int] | None]  # a file, and which part of how many (None: all of it)
 
 
@@ -42,11 +41,10 @@ def read_traces(paths: list[Path], workers: int | None = None) -> dict[Path, Tra
 
     ``workers``: None decides: up to one process per idle CPU (``make -l``-like, see
     ``_idle_cpus``) when there are at least ``_PARALLEL_MIN_BYTES``
-    decompressed bytes in all, else a read here; ``SHARDLIGHT_TRACE_WORKERS`` sets the number
-    instead. 1 reads here; n > 1 uses up to n processes whatever the size and load. Fewer files
+    decompressed bytes in all, else a read here (``shardlight analyze --workers N`` sets the number).
+    1 reads here; n > 1 uses up to n processes whatever the size and load. Fewer files
     than workers: a large file's fast scan is cut into parts (:func:`.fastscan.merge_parts`).
-    Workers are forked (Linux, from a single-threaded process only: forking a threaded one may
-    deadlock); elsewhere the files are read here. The results are the same either way.
+    Workers are forked (:func:`_can_fork`); elsewhere the files are read here. The results are the same either way.
     """
     paths = list(dict.fromkeys(paths))
     sizes = {path: _decoded_size(path) for path in paths}
@@ -124,16 +122,15 @@ def _plan(sizes: dict[Path, int], count: int) -> list[_Task]:
     return tasks
 
 
+def _can_fork() -> bool:
+    """Workers are forked: on Linux, and from a single-threaded process only (forking a threaded one may
+    deadlock on a lock another thread held)."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1
+
+
 def _worker_count(sizes: dict[Path, int], workers: int | None) -> int:
-    if not sys.platform.startswith("linux") or threading.active_count() > 1 or not sizes:
+    if not _can_fork() or not sizes:
         return 1
-    if workers is None:
-        override = os.environ.get(_WORKERS_ENV, "").strip()
-        if override:
-            try:
-                workers = max(int(override), 1)
-            except ValueError:
-                raise ShardlightError(f"{_WORKERS_ENV} must be a whole number, got {override!r}") from None
     if workers is None:
         if sum(sizes.values()) < _PARALLEL_MIN_BYTES:
             return 1
