@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -262,8 +263,6 @@ def gloo_run(tmp_path_factory) -> Path:
 
 def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
     ratios: dict[str, list[float]] = {kind: [] for kind in SIZES}
-    best_call: dict[str, float] = {}  # the highest bus bandwidth of any call: perf_counter, and the trace's
-    best_trace: dict[str, float] = {}
     for rep in range(REPS):
         window = gloo_run / "timing" / f"rep{rep}"
         analysis = analyze_traces(window)
@@ -281,12 +280,11 @@ def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
             reported = analysis["summary"]["bandwidth"][kind]
             assert reported["bytes"] == SIZES[kind] and reported["count"] == 1
             ratios[kind].append(reported["busbw_gbps"] / measured)
-            best_call[kind] = max(best_call.get(kind, 0.0), measured)
-            best_trace[kind] = max(best_trace.get(kind, 0.0), reported["busbw_gbps"])
-    # The best call of each side (the usual estimate under noise): a busy host stretches single calls
-    # (thread wake-ups, which perf_counter times and the trace's gloo work does not) only upwards.
+    # Call by call, then the median: a busy host stretches single calls (thread wake-ups) both ways. (On a
+    # host loaded far beyond its cores, load average 5 on 2, the median has reached 1.11: the wake-ups that
+    # perf_counter times and the trace's gloo work does not hold grow with the load.)
     for kind, values in ratios.items():
-        ratio = best_trace[kind] / best_call[kind]
+        ratio = statistics.median(values)
         if kind == "reduce_scatter":
             # gloo runs reduce_scatter_tensor as a clone of the whole input on the calling thread,
             # an all_reduce (the gloo:all_reduce work: the transfer), and a copy of the chunk out.
