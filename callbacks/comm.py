@@ -62,6 +62,7 @@ from shardlight.callbacks._comm_metrics import (
     split_metrics,
     window_metrics,
 )
+from shardlight.callbacks._comm_schedule import WindowSchedule
 from shardlight.callbacks._common import (
     Findings,
     RankTable,
@@ -89,7 +90,14 @@ class Config:
 
     enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
     every_n_steps: int = field(
-        default=50, metadata={"positive": True, "help": "Steps between profiling windows (plus one early)."}
+        default=50, metadata={"positive": True,
+                              "help": "Steps between profiling windows (plus one early); the shortest interval."}
+    )
+    overhead_budget: Optional[float] = field(
+        default=0.01,
+        metadata={"fraction": True,
+                  "help": "Largest share of training time the windows may cost: each window's measured cost "
+                          "spaces the next one (null or 0: every every_n_steps, whatever they cost)."},
     )
     first_step: Optional[int] = field(
         default=5, metadata={"non_negative": True, "help": "Step of the early profiling window (null or 0: none)."}
@@ -113,8 +121,9 @@ class Config:
     )
     record_shapes: Optional[bool] = field(
         default=None,
-        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU); "
-                          "null: on CPU only (NCCL kernels carry their sizes)."},
+        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU), at "
+                          "about twice a window's cost; null: in the first window on CPU only (NCCL kernels "
+                          "carry their sizes)."},
     )
     print_windows: bool = field(
         default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
@@ -133,13 +142,16 @@ class CommTimeCallback(Callback):
         run_dir: the run directory; traces go to ``run_dir/traces/step_<N>/``.
         every_n_steps: optimizer steps between windows (windows start at multiples of it).
         first_step: the early window's first step (None or 0: none).
+        overhead_budget: the largest share of training time the windows may cost (None or 0: no budget):
+            each window's measured cost spaces the next (:mod:`shardlight.callbacks._comm_schedule`).
         wait, warmup, active: ``torch.profiler.schedule`` of a window (``active`` steps are recorded).
         per_rank: also log ``comm/rank<R>/...`` keys.
         keep_windows: keep the traces of the last this-many windows (None: all).
         table: where the latest per-rank values go for the end-of-run table.
         gather_delay: steps between a window's end and the cross-rank gather of its results (the
             analysis runs in a background thread meanwhile); metrics are logged at the window's end step.
-        record_shapes: record op shapes (the bytes of gloo collectives); None: on a CPU device only.
+        record_shapes: record op shapes (the bytes of gloo collectives); None: in the first window on a CPU
+            device only (shapes double a window's cost; NCCL kernels carry their sizes).
         print_windows: print each window's verdict line (rank 0).
         findings: where rank 0 keeps the latest window's analysis and verdict, and reads the memory and
             throughput callbacks' latest values for it.
@@ -154,12 +166,14 @@ class CommTimeCallback(Callback):
                  table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: Optional[bool] = None,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
-                 tp_size: int = 1, save_traces: bool = True) -> None:
+                 tp_size: int = 1, save_traces: bool = True, overhead_budget: Optional[float] = None) -> None:
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
         self.wait, self.warmup, self.active = wait, warmup, active
         self.length = wait + warmup + active
+        self.schedule = WindowSchedule(every_n_steps, self.first_step, self.length, overhead_budget)
+        self._on_cpu = False
         self.per_rank = per_rank
         self.keep_windows = keep_windows
         self.table = table
@@ -179,9 +193,7 @@ class CommTimeCallback(Callback):
 
     # --- schedule -------------------------------------------------------------------------------------
     def is_window_start(self, step: int, max_steps: int) -> bool:
-        if step + self.length > max_steps:
-            return False
-        return (step > 0 and step % self.every_n_steps == 0) or step == self.first_step
+        return self.schedule.is_start(step, max_steps)
 
     @staticmethod
     def _max_steps(trainer: pl.Trainer) -> int:
@@ -199,8 +211,7 @@ class CommTimeCallback(Callback):
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         for group in ("step", "input", "diagnosis"):  # logged at the window's end step, like comm/*
             define_wandb_group(trainer, group)
-        if self.record_shapes is None:  # only gloo needs op shapes for bytes; NCCL kernels carry their sizes
-            self.record_shapes = trainer.strategy.root_device.type == "cpu"
+        self._on_cpu = trainer.strategy.root_device.type == "cpu"  # only gloo needs op shapes for bytes
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -216,6 +227,10 @@ class CommTimeCallback(Callback):
         window: Dict[str, Any] = {"start": step, "end": step + self.length, "prof": None, "error": None,
                                   "file": None, "seconds": {}}
         self._window = window
+        self.schedule.window_opened(step)
+        shapes = self.record_shapes
+        if shapes is None:
+            shapes = self._on_cpu and self.schedule.windows == 0
         try:
             if self.save_traces:
                 directory = self.trace_root / f"step_{step:06d}"
@@ -233,7 +248,7 @@ class CommTimeCallback(Callback):
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=lambda p: window.__setitem__("recorded", True),  # analysed off the hot path
-                record_shapes=self.record_shapes, profile_memory=False, with_stack=False,
+                record_shapes=shapes, profile_memory=False, with_stack=False,
             )
             prof.start()
             window["prof"] = prof
@@ -244,6 +259,10 @@ class CommTimeCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT,
                            batch: Any, batch_idx: int) -> None:
+        if not (batch_idx + 1) % trainer.accumulate_grad_batches:
+            self.schedule.step_done(trainer.global_step)
+            if self.schedule.agree_due(trainer.global_step):
+                self._agree(trainer)
         pending = self._pending
         if pending is not None and trainer.global_step >= pending["gather_step"]:
             self._collect(trainer)
@@ -277,6 +296,8 @@ class CommTimeCallback(Callback):
                 pass
         if self._pending is not None:  # every rank has the same pending window: the gather matches
             self._collect(trainer)
+        if self.schedule.agree_step is not None:  # gathered, its cost not agreed yet: agree now (every rank)
+            self._agree(trainer)
         self._join_exports()  # the run's trace files are complete when fit returns
 
     # --- window end -------------------------------------------------------------------------------------
@@ -368,9 +389,26 @@ class CommTimeCallback(Callback):
             window["error"] = local["error"]
             warn(f"comm window at step {window['start']} skipped on rank {rank()} ({local['error']})")
         results = gather_to_zero(local)  # only rank 0 reads the others' results
+        self.schedule.window_gathered()
         if trainer.is_global_zero:
             self._log(trainer, window, results)
             self._prune(window)
+        if self.schedule.agree_due(trainer.global_step):
+            self._agree(trainer)
+
+    def _agree(self, trainer: pl.Trainer) -> None:
+        """Agree on the gathered window's cost (all ranks, the same step); rank 0 logs it and the next start."""
+        start = self.schedule.open_window
+        cost_s, typical_s = self.schedule.agree(start, device=trainer.strategy.root_device)
+        if not trainer.is_global_zero:
+            return
+        metrics = {"comm/window_cost_ms": 1e3 * cost_s, "comm/typical_step_ms": 1e3 * typical_s,
+                   "comm/next_window_step": float(self.schedule.next_start),
+                   "comm/cost_window_start_step": float(start)}
+        share = self.schedule.overhead_share()
+        if share is not None:
+            metrics["comm/overhead_pct"] = 100.0 * share
+        log_metrics(trainer, metrics, step=trainer.global_step)
 
     def _log(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
         failed = [r for r, res in enumerate(results) if "metrics" not in res]
@@ -461,5 +499,5 @@ def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
         warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,
         table=shared.table, record_shapes=config.record_shapes, print_windows=config.print_windows,
         findings=shared.findings, diagnosis=shared.diagnosis, micro_batch_size=shared.micro_batch_size,
-        tp_size=shared.tp_size, save_traces=config.save_traces,
+        tp_size=shared.tp_size, save_traces=config.save_traces, overhead_budget=config.overhead_budget,
     )

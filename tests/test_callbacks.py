@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardlight.callbacks import REGISTRY, Shared, build_enabled
+from shardlight.callbacks._comm_schedule import WindowSchedule
 from shardlight.callbacks._common import aggregate, interval, per_rank_key, storage_bytes
 from shardlight.callbacks.comm import CommTimeCallback, window_metrics
 from shardlight.callbacks.memory import MemoryHeadroomCallback
@@ -121,7 +122,8 @@ def full_shard_run(tmp_path_factory):
     baseline = tmp / "baseline.json"
     baseline.write_text(json.dumps({"tokens_per_sec_per_device": 1000.0}))
     summary, result = train(
-        run_cli, tmp, "trainer.max_steps=40", "callbacks.comm.every_n_steps=20", "logging.wandb.mode=offline",
+        run_cli, tmp, "trainer.max_steps=40", "callbacks.comm.every_n_steps=20", "callbacks.comm.overhead_budget=null",
+        "logging.wandb.mode=offline",
         "callbacks.throughput.peak_tflops=100", f"callbacks.throughput.baseline_file={baseline}",
     )
     return Path(summary["run_dir"]), result
@@ -269,6 +271,36 @@ def test_window_schedule_once_early_then_every_n():
     callback = CommTimeCallback(Path("/nonexistent"), every_n_steps=50, first_step=5, warmup=1, active=2)
     starts = [s for s in range(0, 200) if callback.is_window_start(s, max_steps=200)]
     assert starts == [5, 50, 100, 150]  # 197 + 3 > 200: no window that cannot finish
+
+
+def test_window_schedule_spaces_windows_by_their_measured_cost():
+    """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps: the schedule measures
+    exactly that and spaces the windows so that they cost the budget; without a budget, every every_n_steps."""
+
+    def simulate(budget):
+        schedule = WindowSchedule(every_n_steps=50, first_step=5, length=3, budget=budget)
+        clock, starts = 0.0, []
+        for step in range(1, 3000):
+            if schedule.is_start(step - 1, max_steps=3000):
+                starts.append(step - 1)
+                schedule.window_opened(step - 1)
+            recording = schedule.open_window is not None and step <= starts[-1] + 3
+            clock += 0.080 + (0.100 if recording else 0.0)
+            schedule.step_done(step, clock)
+            if schedule.open_window is not None and schedule.agree_step is None and step == starts[-1] + 8:
+                clock += 0.020  # the gather, 5 steps after the window
+                schedule.window_gathered(clock)
+            if schedule.agree_due(step):  # what CommTimeCallback._agree does, without the all-reduce
+                schedule.close(starts[-1], *schedule.local_cost())
+        return schedule, starts, clock
+
+    schedule, starts, clock = simulate(0.01)
+    assert all(cost == pytest.approx(0.320) for cost in schedule.costs.values()), schedule.costs
+    # 0.32 s / (0.01 x 0.08 s) = 400 steps after each start, then the next multiple of 50
+    assert starts == [5, 450, 850, 1250, 1650, 2050, 2450, 2850]
+    assert schedule.overhead_share(clock) == pytest.approx(0.01, rel=0.1)
+    schedule, starts, _ = simulate(None)
+    assert starts == [5] + list(range(50, 3000, 50))  # no budget: every 50 steps, as before
 
 
 def test_peak_table_and_overrides():

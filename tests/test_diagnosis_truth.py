@@ -4,6 +4,9 @@
 * a straggler: rank 1 computes STALL_MS more per step -> straggler-bound, naming rank 1; rank 0 waits about
   STALL_MS more per step than in the same run without the stall; the transfer itself barely changes;
 * a slow input: every batch takes INPUT_MS more to load -> input-bound, input wait about INPUT_MS per step;
+* a costly window: every rank sleeps WINDOW_COST_MS when the second of two alike comm windows stops -> its
+  measured cost (``comm/window_cost_ms``, what spaces the next window under ``overhead_budget``) is that much
+  above the first's, and each next window start follows the budget's rule from the logged cost;
 * communication- vs compute-bound by construction: a huge vocabulary with tiny sequences (the root unit's
   all-gathers dwarf the compute) vs the small model with large micro-batches.
 
@@ -11,6 +14,7 @@ One run per case; every check on a run is in one test, so each run is paid for o
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +28,7 @@ from shardlight.launch.base import without_run_env
 WORKER = REPO / "tests" / "workers" / "bottleneck_train.py"
 STALL_MS = 300.0
 INPUT_MS = 250.0
+WINDOW_COST_MS = 1000.0
 
 # A short run with one comm window: steps 4..7 recorded (the last dropped, as HTA does), so 3 steps analysed.
 WINDOW = ["trainer.max_steps=14", "callbacks.comm.first_step=3", "callbacks.comm.every_n_steps=1000",
@@ -104,3 +109,31 @@ def test_huge_vocabulary_tiny_sequences_is_communication_bound(tmp_path):
 def test_small_model_large_batches_is_compute_bound(tmp_path):
     _, diagnosis, _, _ = bottleneck_run(tmp_path, "trainer.micro_batch_size=32")
     assert diagnosis["verdict"] == "compute-bound", diagnosis
+
+
+def test_a_window_that_costs_more_is_measured_and_spaces_the_next(tmp_path):
+    # Windows at 4, 40 and 60 of one run, all recording shapes; every rank sleeps in the last one only. Each
+    # cost is agreed 8 steps after its gather (22, 58, 78), so no window starts before the last one's cost is
+    # known (none at 20), and the budget puts the third at 60 (40's cost is well under 0.5 x 20 typical steps).
+    # The first window pays the profiler's one-time start-up, so the costly window is compared with the second.
+    _, _, rows, _ = bottleneck_run(
+        tmp_path, "trainer.max_steps=80", "callbacks.comm.first_step=4", "callbacks.comm.every_n_steps=20",
+        "callbacks.comm.overhead_budget=0.5", "callbacks.comm.record_shapes=true",
+        env={"SHARDLIGHT_TEST_WINDOW_COST_MS": str(WINDOW_COST_MS), "SHARDLIGHT_TEST_WINDOW_COST_FROM_STEP": "50"})
+    starts = values_of(rows, "comm/window_start_step")
+    assert starts == [4.0, 40.0, 60.0] and values_of(rows, "comm/cost_window_start_step") == starts
+    _, plain, costly = values_of(rows, "comm/window_cost_ms")
+    # The sleep is wall time on every rank's training thread, the windows' own cost (a few hundred ms on this
+    # machine) is in both: the difference is the sleep, within the load's variation between two windows.
+    assert WINDOW_COST_MS * 0.8 <= costly - plain <= WINDOW_COST_MS * 1.2, (plain, costly)
+    for start, cost_ms, typical_ms, next_step in zip(starts, values_of(rows, "comm/window_cost_ms"),
+                                                      values_of(rows, "comm/typical_step_ms"),
+                                                      values_of(rows, "comm/next_window_step")):
+        # budget 0.5: the next starts cost / (0.5 x typical step) steps later or more, on a multiple of 20
+        earliest = start + max(1, math.ceil(cost_ms / (0.5 * typical_ms) - 1e-9))
+        assert next_step == 20 * math.ceil(earliest / 20), (start, cost_ms, typical_ms, next_step)
+    assert 0 < values_of(rows, "comm/overhead_pct")[-1] < 100
+
+
+def values_of(rows, key):
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]

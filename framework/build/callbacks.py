@@ -1,5 +1,6 @@
 """The run's callbacks: the one clear line for a collective a dead or hung rank broke (always), the
-observability callbacks a recipe's ``callbacks:`` section enables (``shardlight.callbacks``), sharded
+observability callbacks a recipe's ``callbacks:`` section enables (``shardlight.callbacks``), the garbage
+collector's start-up heap frozen (``trainer.gc_freeze``), sharded
 checkpoints (and resume), and preemption handling when a scheduler can requeue the job."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import List
 from lightning.pytorch.callbacks import Callback
 
 from shardlight.callbacks import Shared, build_enabled, peer_failure
+from shardlight.callbacks.gc_freeze import GcFreezeCallback
 from shardlight.callbacks.preemption import PreemptionCallback
 from shardlight.checkpoint import build_checkpoint_callback
 from shardlight.launch import launcher_named
@@ -23,6 +25,8 @@ def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Callback]:
     # First: its on_exception prints the clear line before any other callback's on_exception runs.
     callbacks: List[Callback] = [peer_failure.build()]
     callbacks += build_enabled(cfg.callbacks, ctx, shared)
+    if cfg.trainer.gc_freeze:
+        callbacks.append(GcFreezeCallback())
     checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
     if ctx.launcher == "slurm":
         launcher = launcher_named(ctx.launcher)

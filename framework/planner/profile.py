@@ -100,9 +100,13 @@ def window_schedule(steps: int) -> Dict[str, int]:
     return {"first_step": FIRST_WINDOW, "every_n_steps": WINDOW_EVERY, "warmup": WINDOW_WARMUP, "active": active}
 
 
-def sweep_overrides(steps: int, out: Path) -> List[str]:
-    """The overrides every run of the sweep gets: its length, logging and profiling windows, its output."""
+def sweep_overrides(steps: int, out: Path, on_cpu: bool = True) -> List[str]:
+    """The overrides every run of the sweep gets: its length, logging and profiling windows, its output.
+
+    Every window runs, whatever it costs (no ``overhead_budget``), and on CPU records op shapes (the gloo
+    collectives' bytes, which the calibration's bandwidth fit needs in every window it reads)."""
     windows = [f"callbacks.comm.{key}={value}" for key, value in window_schedule(steps).items()]
+    windows += ["callbacks.comm.overhead_budget=null", f"callbacks.comm.record_shapes={str(on_cpu).lower()}"]
     return [f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={LOG_EVERY}",
             f"trainer.val_every_n_steps={steps * 10}", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
             # The calibration reads every window's trace files.
@@ -232,7 +236,7 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
     out = Path(request.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ckpt, offload = bool(cfg.fsdp.activation_checkpointing), bool(cfg.fsdp.cpu_offload or cfg.fsdp.offload_params)
-    common = sweep_overrides(steps, out)
+    common = sweep_overrides(steps, out, on_cpu=cfg.trainer.accelerator == "cpu")
     runs: Dict[str, Dict[str, Any]] = {}
     baseline_tps = None
     baseline_file = out / "baseline.json"

@@ -7,6 +7,9 @@ The knobs are this test worker's own (environment variables at the process bound
   profiler sees compute, not idle time): a straggler everybody else waits for at the next collective;
 * ``SHARDLIGHT_TEST_INPUT_DELAY_MS``: every rank's data loader sleeps that long per batch (inside
   DataLoader ``__next__``, where a slow dataset or tokenizer spends its time): input-bound.
+* ``SHARDLIGHT_TEST_WINDOW_COST_MS``: every rank's training thread sleeps that long when a comm window
+  that starts at or after step ``SHARDLIGHT_TEST_WINDOW_COST_FROM_STEP`` (0) stops recording (inside
+  ``CommTimeCallback._finish``, before its analysis thread starts): a window that costs that much more.
 
 Everything else is the real run: real gloo FSDP, the real callbacks and diagnosis. Lightning re-executes this
 script for the other ranks, so every rank is patched.
@@ -25,6 +28,8 @@ from torch.utils.data._utils import fetch  # noqa: E402
 STALL_MS = float(os.environ.get("SHARDLIGHT_TEST_STALL_MS", "0"))
 STALL_RANK = int(os.environ.get("SHARDLIGHT_TEST_STALL_RANK", "1"))
 INPUT_DELAY_MS = float(os.environ.get("SHARDLIGHT_TEST_INPUT_DELAY_MS", "0"))
+WINDOW_COST_MS = float(os.environ.get("SHARDLIGHT_TEST_WINDOW_COST_MS", "0"))
+WINDOW_COST_FROM_STEP = int(os.environ.get("SHARDLIGHT_TEST_WINDOW_COST_FROM_STEP", "0"))
 
 
 def _rank() -> int:
@@ -59,6 +64,18 @@ if INPUT_DELAY_MS > 0:
         return _fetch(self, possibly_batched_index)
 
     fetch._MapDatasetFetcher.fetch = _slow_fetch
+
+if WINDOW_COST_MS > 0:
+    from shardlight.callbacks.comm import CommTimeCallback
+
+    _finish = CommTimeCallback._finish
+
+    def _costly_finish(self, trainer, window):
+        if window["start"] >= WINDOW_COST_FROM_STEP:
+            time.sleep(WINDOW_COST_MS / 1000.0)  # before the window's background analysis starts: no overlap
+        _finish(self, trainer, window)
+
+    CommTimeCallback._finish = _costly_finish
 
 if __name__ == "__main__":
     from shardlight.cli import main
