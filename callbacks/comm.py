@@ -21,7 +21,12 @@ The per-rank results are gathered to rank 0, which logs per step of the window (
   ``comm/transfer_ms`` (moving bytes once all are there), ``comm/exposed_wait_ms`` and
   ``comm/exposed_transfer_ms`` (the parts not hidden behind compute), ``input/wait_ms`` (host time waiting
   for the next batch), aggregated and per rank like the others; ``comm/<collective>_busbw_gbps`` (bus
-  bandwidth, nccl-tests conventions); ``comm/straggler_rank``: the rank the others wait for;
+  bandwidth, nccl-tests conventions; on CPU only with ``record_shapes``); ``comm/straggler_rank``: the rank
+  the others wait for;
+* what the windows cost (``_comm_schedule``): ``comm/window_cost_ms`` (a window's wall time above as many
+  typical steps, ``comm/typical_step_ms``; the largest over the ranks), ``comm/overhead_pct`` (all windows'
+  cost so far over the training time) and ``comm/next_window_step``, the earliest start that keeps the
+  windows within ``overhead_budget``; logged 8 steps after each window's gather, when the ranks agree on it;
 * the window's verdict (``shardlight.diagnosis``): ``diagnosis/*`` shares of the step, and one console line,
   e.g. ``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
   headroom 22.1 GB (rank 1)``. The latest window's combined analysis stays in ``Shared.findings`` for the
@@ -119,11 +124,11 @@ class Config:
         metadata={"non_negative": True,
                   "help": "Keep the traces of this many latest windows in run_dir/traces (null or 0: all)."},
     )
-    record_shapes: Optional[bool] = field(
-        default=None,
+    record_shapes: bool = field(
+        default=False,
         metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU), at "
-                          "about twice a window's cost; null: in the first window on CPU only (NCCL kernels "
-                          "carry their sizes)."},
+                          "about 10x a window's cost (0.5 s against 30 ms on the default recipe's 2 CPU ranks); "
+                          "NCCL kernels carry their sizes without it."},
     )
     print_windows: bool = field(
         default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
@@ -150,8 +155,8 @@ class CommTimeCallback(Callback):
         table: where the latest per-rank values go for the end-of-run table.
         gather_delay: steps between a window's end and the cross-rank gather of its results (the
             analysis runs in a background thread meanwhile); metrics are logged at the window's end step.
-        record_shapes: record op shapes (the bytes of gloo collectives); None: in the first window on a CPU
-            device only (shapes double a window's cost; NCCL kernels carry their sizes).
+        record_shapes: record op shapes (the bytes of gloo collectives: bus bandwidth on CPU; about 10x a
+            window's cost); NCCL kernels carry their sizes without it.
         print_windows: print each window's verdict line (rank 0).
         findings: where rank 0 keeps the latest window's analysis and verdict, and reads the memory and
             throughput callbacks' latest values for it.
@@ -163,7 +168,7 @@ class CommTimeCallback(Callback):
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
                  warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
-                 table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: Optional[bool] = None,
+                 table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: bool = False,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
                  tp_size: int = 1, save_traces: bool = True, overhead_budget: Optional[float] = None) -> None:
@@ -173,7 +178,6 @@ class CommTimeCallback(Callback):
         self.wait, self.warmup, self.active = wait, warmup, active
         self.length = wait + warmup + active
         self.schedule = WindowSchedule(every_n_steps, self.first_step, self.length, overhead_budget)
-        self._on_cpu = False
         self.per_rank = per_rank
         self.keep_windows = keep_windows
         self.table = table
@@ -211,7 +215,6 @@ class CommTimeCallback(Callback):
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         for group in ("step", "input", "diagnosis"):  # logged at the window's end step, like comm/*
             define_wandb_group(trainer, group)
-        self._on_cpu = trainer.strategy.root_device.type == "cpu"  # only gloo needs op shapes for bytes
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -228,9 +231,6 @@ class CommTimeCallback(Callback):
                                   "file": None, "seconds": {}}
         self._window = window
         self.schedule.window_opened(step)
-        shapes = self.record_shapes
-        if shapes is None:
-            shapes = self._on_cpu and self.schedule.windows == 0
         try:
             if self.save_traces:
                 directory = self.trace_root / f"step_{step:06d}"
@@ -248,7 +248,7 @@ class CommTimeCallback(Callback):
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=lambda p: window.__setitem__("recorded", True),  # analysed off the hot path
-                record_shapes=shapes, profile_memory=False, with_stack=False,
+                record_shapes=self.record_shapes, profile_memory=False, with_stack=False,
             )
             prof.start()
             window["prof"] = prof

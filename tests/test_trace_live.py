@@ -234,7 +234,7 @@ def _drive(callback, steps: int = 9):
     import torch.distributed as dist
 
     logger = _Logger()
-    trainer = SimpleNamespace(global_step=0, max_steps=steps, is_global_zero=True, loggers=[logger],
+    trainer = SimpleNamespace(global_step=0, accumulate_grad_batches=1, max_steps=steps, is_global_zero=True, loggers=[logger],
                               strategy=SimpleNamespace(root_device=torch.device("cpu")), progress_bar_callback=None)
     model = torch.nn.Linear(32, 32)
     data = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8 * steps, 32)), batch_size=8))
