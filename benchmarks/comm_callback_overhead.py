@@ -2,7 +2,8 @@
 ABBA pairs, ci90, A/A noise).
 
 Arms, each one fresh process tree per run (this script in ``--run`` mode, 2 gloo ranks, FULL_SHARD): the
-default recipe trained for ``--steps`` (110: windows at 5, 50 and 100, each gathered inside the loop) with
+default recipe trained for ``--steps`` (300, about 25 s: the early window at 5 and whatever the callback's
+``overhead_budget`` (1%) then allows, read from each run's metrics.csv; each window gathered inside the loop) with
 a step timer on every rank, validation and checkpoints off (not in a step), W&B off (the CSV logger stays):
 
 * ``--arms off-on`` (the default): baseline ``callbacks.comm.enabled=false``, candidate ``true`` (its default
@@ -183,6 +184,15 @@ def window_overhead(times: dict, windows: list, touched_steps: int) -> dict:
     return {"costs": costs, "mean_step_s": statistics.fmean(normal)}
 
 
+def window_starts(run_dir: Path) -> list:
+    """The steps the run's comm windows started at (``overhead_budget`` decides them), from its metrics.csv."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as fh:
+        return sorted({int(float(row["comm/window_start_step"])) for row in csv.DictReader(fh)
+                       if row.get("comm/window_start_step")})
+
+
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
@@ -202,8 +212,7 @@ class Bench:
         self.comm = comm
         self.length = comm.wait + comm.warmup + comm.active
         self.delay = CommTimeCallback(tmp).gather_delay
-        self.windows = sorted({s for s in range(1, args.steps) if (s % comm.every_n_steps == 0 or s == comm.first_step)
-                               and s + self.length <= args.steps})
+        self.windows: list = []  # the windows of the last run with windows (from its metrics.csv)
         # arm -> {"periodic": [window costs], "first": [...], "mean_step_s": [per run]} of the runs with windows
         self.overheads: dict = {}
         self.work: dict = {}  # arm -> every window's background work, all ranks and runs
@@ -232,6 +241,7 @@ class Bench:
         per_step = [max(ends[s] - ends[s - 1] for ends in ranks) for s in measured]
         loop = max((ends[last] - ends[WARMUP]) / len(measured) for ends in ranks)
         if comm_on:
+            self.windows = window_starts(run_dir)
             times = {s: ranks[0][s] - ranks[0][s - 1] for s in ranks[0] if s - 1 in ranks[0]}
             found = window_overhead(times, self.windows, self.length + self.delay)
             mine = self.overheads.setdefault(arm, {"periodic": [], "first": [], "mean_step_s": []})
@@ -248,7 +258,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
     parser.add_argument("--max-pairs", type=int, default=40)
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop adding pairs after this long")
-    parser.add_argument("--steps", type=int, default=110, help="optimizer steps per run (windows at 5, 50, 100)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--arms", choices=sorted(ARMS), default="off-on")
     parser.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)  # one arm's run, into this dir
     parser.add_argument("--file-analysis", action="store_true", help=argparse.SUPPRESS)

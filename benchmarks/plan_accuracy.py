@@ -9,7 +9,12 @@ second measured) runs twice:
   SHARD_GRAD_OP and FULL_SHARD in bf16-mixed), every allocation counted from the CPU
   allocator's events (PyTorch profiler, ``profile_memory``) from before the model is built, so the live
   total is exact: step peak = the highest live total during the second step; forward = what forward + loss
-  left alive when backward starts;
+  left alive when backward starts. On 2 ranks the collectives go through ``recorded_collective_frees``:
+  the profiler records no event on gloo's worker threads, and a tensor whose last reference one of them
+  drops (a collective's buffer, freed a moment after ``wait`` when that thread was descheduled) stayed
+  alive in the trace to its end: 0-8% too high a step peak, a different amount each run (the old 0.15
+  target and its "lower bound" excuse came from that). A trace that still reuses an address it holds
+  live (a free it missed) is measured again;
 * fake: ``step_memory`` (FakeTensorMode, fake process group, FSDPMemTracker): what ``shardlight plan`` uses;
 * analytic: the closed-form model (``--analytic``), for reference.
 
@@ -21,9 +26,13 @@ on the same TP mesh and the analytic TP model (what ``shardlight plan`` prints f
 Relative error = (estimate - measured) / measured. Three lines through the harness (``benchmarks/_harness.py``
 ``emit``; ``ratio`` = the worst |relative error| of the fake step's step peak and forward activations,
 ``target`` the tolerance, ``bound`` upper, ``ci90`` the point: one measurement per case, no interval, no A/A):
-``plan_accuracy`` (one-rank cases, target 0.01), ``plan_accuracy_2rank`` (2 ranks without TP, target 0.15: the
-fake group finishes collectives at once, so its peak is a lower bound there) and ``plan_accuracy_tp`` (the TP
-case, target 0.15 as for 2 ranks; its analytic error is reported next to it).
+``plan_accuracy`` (one-rank cases, target 0.01), ``plan_accuracy_2rank`` (2 ranks without TP, target 0.01 as
+for one rank, for the peak and the activations together: every buffer FSDP2 keeps alive across a collective
+is held by FSDP2's Python state, which runs unchanged on the fake group, so the fake step reproduces these
+lifetimes by construction; measured, the peaks match to the byte) and ``plan_accuracy_tp`` (the TP case,
+target kept at 0.15 although it measured 0.0 with these changes: its tensor-parallel collectives are DTensor's
+functional collectives, not routed through ``recorded_collective_frees``, so a free gloo's worker threads make
+there can still go unrecorded; its analytic error is reported next to it).
 
 Run (shardlight installed): python benchmarks/plan_accuracy.py [--cases all|one|two|tp]
 """
@@ -31,9 +40,11 @@ Run (shardlight installed): python benchmarks/plan_accuracy.py [--cases all|one|
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -64,7 +75,7 @@ SHAPES = [
                 "max_position_embeddings": 4096}},
 ]
 STRATEGY = "FULL_SHARD"
-TARGETS = {"plan_accuracy": 0.01, "plan_accuracy_2rank": 0.15, "plan_accuracy_tp": 0.15}
+TARGETS = {"plan_accuracy": 0.01, "plan_accuracy_2rank": 0.01, "plan_accuracy_tp": 0.15}
 TP = 2
 
 
@@ -75,7 +86,10 @@ def hf_config(shape):
 
 
 def live_bytes_timeline(prof):
-    """[(ts, live bytes after the event)] of the CPU allocator, and the user annotations' (start, end) by name."""
+    """[(ts, live bytes after the event)] of the CPU allocator, the user annotations' (start, end) by name, and
+    the number of missed frees: allocations at an address the trace still holds live (its free was never
+    recorded, so every later live total would count it twice). Frees of memory the trace never allocated
+    are left out."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -84,11 +98,96 @@ def live_bytes_timeline(prof):
                     key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
     marks = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
              if e.get("cat") == "user_annotation" and e["name"].startswith("bench.")}
-    live, timeline = 0, []
+    live, timeline, addresses, missed = 0, [], set(), 0
     for event in memory:
-        live += event["args"]["Bytes"]
+        size, address = event["args"]["Bytes"], event["args"].get("Addr")
+        if size > 0:
+            missed += address in addresses
+            addresses.add(address)
+        elif address in addresses:
+            addresses.discard(address)
+        else:
+            # Memory from before this trace (e.g. an earlier measurement's garbage, collected now: the
+            # allocator still knows its size from that profile): not part of this step.
+            continue
+        live += size
         timeline.append((event["ts"], live))
-    return timeline, marks
+    return timeline, marks, missed
+
+
+def _holders(tensor) -> int:
+    """References to ``tensor`` (a gloo work holds the tensor) plus references to its storage (or a view of
+    it): both come back to what they were before the collective once gloo released it."""
+    return tensor._use_count() + torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _wait_released(tensors, counts, what):
+    """Until no one but the caller holds ``tensors`` (``_holders`` back to ``counts``): the gloo worker
+    thread drops its references a moment after ``wait`` returns."""
+    deadline = time.monotonic() + 30
+    while any(_holders(t) > c for t, c in zip(tensors, counts)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gloo kept the tensors of {what} after it finished")
+        time.sleep(0)
+
+
+@contextlib.contextmanager
+def recorded_collective_frees():
+    """FSDP2's collectives (``dist.all_gather_single``, ``reduce_scatter_single``, ``all_reduce``) such that
+    every byte they free is seen by the profiler.
+
+    The profiler records allocator events only on threads that carry its thread-local state. A gloo collective
+    runs on a gloo worker thread, and its work object (which holds the collective's tensors, and for a
+    reduce-scatter the clone of the input that gloo all-reduces) is released by that thread a moment after
+    the caller's ``wait`` returns. When the worker thread drops the last reference (it is descheduled, on a
+    busy machine, until the caller has dropped its own) the memory is freed there, unrecorded: the trace
+    keeps those bytes alive to its end (measured: 2.9-17 MB too high a step peak, 0 to 8% of it, a different
+    amount each run). So each collective here waits until the worker released the work before it returns,
+    and the reduce-scatter runs as gloo runs it (all-reduce a clone of the input, copy this rank's chunk
+    out) with the clone held here, so that its free is on the calling thread too. Nothing lives longer or
+    shorter than with gloo's own calls: FSDP holds these tensors past the collective in both. Rarely (once
+    in about 25 runs of a case) a free is still missed; the trace shows it (an address allocated again while
+    live) and ``measure_real_ranks`` measures again."""
+    import torch.distributed as dist
+
+    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def released(fn):
+        def call(*args, async_op=False, **kwargs):
+            if async_op:
+                return fn(*args, async_op=True, **kwargs)
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            counts = [_holders(t) for t in tensors]
+            work = fn(*args, async_op=True, **kwargs)
+            work.wait()
+            del work
+            _wait_released(tensors, counts, fn.__name__)
+        return call
+
+    all_reduce = released(originals["all_reduce"])
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=True)
+        clone = input.clone()
+        all_reduce(clone, op=op, group=group)
+        output.copy_(clone.view(dist.get_world_size(group), -1)[dist.get_rank(group)].view_as(output))
+        del clone
+
+    patched = {"all_gather_single": released(originals["all_gather_single"]),
+               "reduce_scatter_single": reduce_scatter_single, "all_reduce": all_reduce}
+    for name in names:
+        setattr(dist, name, patched[name])
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(dist, name, originals[name])
+
+
+class MissedFrees(RuntimeError):
+    """The trace lost a free (an address allocated again while the trace holds it live)."""
 
 
 def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STRATEGY, rank: int = 0,
@@ -109,7 +208,8 @@ def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STR
             mesh = strategy_mesh(strategy, world_size, None)
         # TP ranks of a group read the same batch: seed by the data-parallel rank.
         torch.manual_seed(rank // tp)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        frees = recorded_collective_frees() if world_size > 1 else contextlib.nullcontext()
+        with frees, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model = build_sharded_model(hf_config(shape), mesh, strategy, checkpointing, precision, "float32",
                                         tp_mesh=tp_mesh)
             optim = make_optimizer("adamw", model.parameters())
@@ -122,7 +222,7 @@ def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STR
                     optim.step()
                     optim.zero_grad(set_to_none=True)
                     del loss
-        timeline, marks = live_bytes_timeline(prof)
+        timeline, marks, missed = live_bytes_timeline(prof)
     finally:
         dist.destroy_process_group()
     start, end = marks["bench.step1"]
@@ -132,25 +232,36 @@ def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STR
         return next((live for t, live in reversed(timeline) if t <= ts), 0)
 
     peak = max([live for t, live in timeline if start <= t <= end] + [live_at(start)])
+    if missed:
+        raise MissedFrees(f"rank {rank}: the profiler missed {missed} frees; the live totals are not exact")
     return peak, live_at(f_end) - live_at(f_start)
 
 
 def _rank_worker(rank, shape, checkpointing, precision, strategy, world_size, tmp, tp=1):
     # One spawned rank: torch's gloo CPU threads per rank share the machine as training's ranks do.
     torch.set_num_threads(1)
-    result = measure_real(shape, checkpointing, precision, strategy, rank, world_size, str(Path(tmp) / "store"),
-                          tp)
+    try:
+        result = measure_real(shape, checkpointing, precision, strategy, rank, world_size,
+                              str(Path(tmp) / "store"), tp)
+    except MissedFrees as exc:
+        result = {"missed": str(exc)}
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def measure_real_ranks(shape, checkpointing: bool, precision: str, strategy: str, world_size: int, tp: int = 1):
-    """``measure_real`` on ``world_size`` spawned gloo ranks: rank 0's (step peak, forward alive)."""
+def measure_real_ranks(shape, checkpointing: bool, precision: str, strategy: str, world_size: int, tp: int = 1,
+                       attempts: int = 3):
+    """``measure_real`` on ``world_size`` spawned gloo ranks: rank 0's (step peak, forward alive), measured
+    again (up to ``attempts`` runs) when rank 0's trace missed a free."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_worker, args=(shape, checkpointing, precision, strategy, world_size, tmp, tp),
-                 nprocs=world_size, join=True)
-        return tuple(json.loads((Path(tmp) / "rank0.json").read_text()))
+    for _ in range(attempts):
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_rank_worker, args=(shape, checkpointing, precision, strategy, world_size, tmp, tp),
+                     nprocs=world_size, join=True)
+            result = json.loads((Path(tmp) / "rank0.json").read_text())
+        if not isinstance(result, dict):
+            return tuple(result)
+    raise MissedFrees(f"{result['missed']} ({attempts} runs)")
 
 
 def rel(estimate_value, measured):

@@ -44,18 +44,19 @@ def test_fake_step_matches_cpu_allocator(model_type, precision, ckpt):
     assert fake["activations"] > 0
 
 
-def test_fake_step_against_two_spawned_gloo_ranks(tmp_path):
-    """The fake 2-rank group against two real gloo ranks (spawned), SHARD_GRAD_OP in bf16-mixed. Forward's
-    live bytes match within 2%. The step peak is a lower bound: real collectives finish in background threads
-    and keep buffers alive a timing-dependent while (measured 0-1.4% over on this shape), never more than one
-    in-flight all-gather (bf16) and reduce-scatter input (fp32) of the largest unit."""
-    shape = SHAPES["llama"]
-    peak_real, forward_real = BENCH.measure_real_ranks(shape, False, "bf16-mixed", "SHARD_GRAD_OP", 2)
-    fake = step_memory(BENCH.hf_config(shape), 2, "SHARD_GRAD_OP", False, "bf16-mixed", shape["batch"], shape["seq"])
+@pytest.mark.parametrize("model_type,strategy", [("llama", "SHARD_GRAD_OP"), ("gpt2", "FULL_SHARD")])
+def test_fake_step_against_two_spawned_gloo_ranks(model_type, strategy):
+    """The fake 2-rank group against two real gloo ranks (spawned) in bf16-mixed: FSDP2 holds every buffer
+    that lives across a collective (forward's deferred all-gather output, backward's prefetch, the
+    reduce-scatter input kept for the next unit) in its own state, which runs unchanged on the fake group,
+    so the step peak matches to the byte (0.1% allowed) and forward's live bytes within 2%. The measurement
+    records every free (``recorded_collective_frees``: without it the profiler misses the frees gloo's worker
+    threads make and reads 1-8% high, a different amount each run)."""
+    shape = SHAPES[model_type]
+    peak_real, forward_real = BENCH.measure_real_ranks(shape, False, "bf16-mixed", strategy, 2)
+    fake = step_memory(BENCH.hf_config(shape), 2, strategy, False, "bf16-mixed", shape["batch"], shape["seq"])
+    assert fake["peak"] == pytest.approx(peak_real, rel=1e-3), (fake["peak"], peak_real)
     assert fake["forward_alive"] == pytest.approx(forward_real, rel=0.02), (fake["forward_alive"], forward_real)
-    largest_unit = spec_from_hf_config(write(tmp_path, {"model_type": "llama", **shape["config"]})).largest_unit_params
-    assert fake["peak"] <= peak_real * 1.001, (fake["peak"], peak_real)
-    assert peak_real - fake["peak"] <= largest_unit * (2 + 4), (fake["peak"], peak_real, largest_unit)
 
 
 def test_fake_step_shards_over_the_planned_world(tmp_path):

@@ -10,9 +10,19 @@ the same model (``build_sharded_model``), loss and optimizer on real CPU tensors
 
 An optimizer step on zero gradients first creates the optimizer state; the training step after it is the
 steady state whose peak is reported (gradients are freed by ``zero_grad(set_to_none=True)`` after each step,
-as in training). Fake collectives complete at once, so buffers a real collective keeps alive while it runs
-in the background (a prefetched all-gather, a reduce-scatter input) are not counted: on several ranks the
-peak is a lower bound by up to a unit's buffers (see the README's accuracy notes).
+as in training).
+
+Several ranks: the fake collectives move no data and complete at once, but every buffer FSDP2 keeps alive
+around a collective is held by FSDP2's own Python state, which runs unchanged on the fake group: the
+all-gather output kept for the next unit's copy-in in forward (``comm_ctx.all_gather_state``), the prefetched
+unit gathered in backward, the reduce-scatter input kept until the next unit's post-backward
+(``reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` = 1), the reduce-scatter output that becomes
+the sharded gradient. So these lifetimes are modelled by construction, byte for byte (the 2-rank gloo
+measurement of ``benchmarks/plan_accuracy.py`` matches the step peak to the byte, SHARD_GRAD_OP and
+FULL_SHARD, three architectures). Not counted: memory a backend allocates inside a collective for its
+duration (gloo: a clone of the reduce-scatter input, an all-gather staging copy; NCCL: its own buffers, outside
+PyTorch's allocator), which raises the peak only when the peak falls inside a collective (in these shapes it
+falls in the loss's backward), and the CUDA caching allocator's rounding and fragmentation.
 
 Tensor parallelism (``tp`` > 1): the mesh is (dp_replicate, dp_shard, tp) as training builds it, the model
 is parallelized with ``shardlight.strategy.tensor_parallel.apply_tensor_parallel`` then checkpointed and
