@@ -54,10 +54,9 @@ class WindowSchedule:
         self.length = length
         self.budget = budget or None
         self.next_start: Optional[int] = None  # set after the first window's cost is known
-        self.windows = 0
         self.costs: Dict[int, float] = {}  # window start -> agreed cost (s)
         self.spent_s = 0.0  # the agreed costs so far
-        self._ends: Dict[int, float] = {}  # step -> perf_counter at its end (window steps only)
+        self._begin: Optional[float] = None  # perf_counter at the end of the open window's start step
         self._last: Optional[Tuple[int, float]] = None
         self._recent: Deque[float] = deque(maxlen=_TYPICAL_STEPS)
         self._open: Optional[int] = None  # start of the window whose steps are being timed
@@ -75,8 +74,7 @@ class WindowSchedule:
             self._t0 = now
         if last is None or step != last[0] + 1:
             return
-        if self._open is not None and self.agree_step is None:  # a window's step, up to its gather
-            self._ends[step] = now
+        if self._open is not None and self.agree_step is None:  # a window's step, up to its gather: its cost
             return
         self._recent.append(now - last[1])
         if self._open is not None:  # between a window's gather and the agreement on its cost
@@ -98,7 +96,7 @@ class WindowSchedule:
     def window_opened(self, start: int) -> None:
         """A window starts recording at step ``start``: its steps from here on count as its cost."""
         self._open = start
-        self._ends = {start: self._last[1]} if self._last is not None and self._last[0] == start else {}
+        self._begin = self._last[1] if self._last is not None and self._last[0] == start else None
 
     def window_gathered(self, now: Optional[float] = None) -> None:
         """The open window's results are gathered (at this step, ``now``): its wall time is known. With a budget,
@@ -108,7 +106,7 @@ class WindowSchedule:
         now = time.perf_counter() if now is None else now
         if self._open is None:
             return
-        begin = self._ends.get(self._open)
+        begin = self._begin
         last = self._last[0] if self._last is not None else self._open
         # Steps start+1 .. the gather's (whose hook runs the gather before ``now``).
         self._gathered = None if begin is None else (now - begin, max(1, last - self._open))
@@ -149,8 +147,7 @@ class WindowSchedule:
 
     def close(self, start: int, cost_s: float, typical_s: float) -> None:
         """The window at ``start`` cost ``cost_s`` (agreed): space the next one."""
-        self._open, self._ends, self._gathered, self.agree_step, self._after = None, {}, None, None, []
-        self.windows += 1
+        self._open, self._begin, self._gathered, self.agree_step, self._after = None, None, None, None, []
         self.costs[start] = cost_s
         self.spent_s += cost_s
         self.next_start = start + 1
