@@ -122,10 +122,12 @@ def test_a_window_that_costs_more_is_measured_and_spaces_the_next(tmp_path):
         env={"SHARDLIGHT_TEST_WINDOW_COST_MS": str(WINDOW_COST_MS), "SHARDLIGHT_TEST_WINDOW_COST_FROM_STEP": "50"})
     starts = values_of(rows, "comm/window_start_step")
     assert starts == [4.0, 40.0, 60.0] and values_of(rows, "comm/cost_window_start_step") == starts
-    _, plain, costly = values_of(rows, "comm/window_cost_ms")
-    # The sleep is wall time on every rank's training thread, the windows' own cost (a few hundred ms on this
-    # machine) is in both: the difference is the sleep, within the load's variation between two windows.
-    assert WINDOW_COST_MS * 0.8 <= costly - plain <= WINDOW_COST_MS * 1.2, (plain, costly)
+    first, plain, costly = values_of(rows, "comm/window_cost_ms")
+    # The sleep is wall time on every rank's training thread. A window's own cost (tens to a few hundred ms
+    # here) varies from window to window with the machine's load, so the costly window is bounded by the
+    # sleep plus the largest own cost the other two windows showed, within a fifth of the sleep either way.
+    assert costly - plain >= WINDOW_COST_MS * 0.8, (first, plain, costly)
+    assert costly - WINDOW_COST_MS <= max(first, plain) + WINDOW_COST_MS * 0.2, (first, plain, costly)
     for start, cost_ms, typical_ms, next_step in zip(starts, values_of(rows, "comm/window_cost_ms"),
                                                       values_of(rows, "comm/typical_step_ms"),
                                                       values_of(rows, "comm/next_window_step")):
