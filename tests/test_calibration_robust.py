@@ -158,7 +158,8 @@ def test_host_fit_ignores_a_negative_slope():
 
 
 def sweep_windows(steps):
-    """The windows a sweep run of ``steps`` steps records, the way ``CommTimeCallback`` schedules them."""
+    """The windows a sweep run of ``steps`` steps records, the way ``CommTimeCallback`` schedules them: no window
+    starts before the previous one's results are gathered, ``gather_delay`` steps after its last step."""
     schedule = window_schedule(steps)
     callback = CommTimeCallback(Path("unused"), every_n_steps=schedule["every_n_steps"],
                                 first_step=schedule["first_step"], warmup=schedule["warmup"],
@@ -167,11 +168,11 @@ def sweep_windows(steps):
     for step in range(steps):
         if step >= end and callback.is_window_start(step, steps):
             starts.append(step)
-            end = step + callback.length
+            end = step + callback.length + callback.gather_delay
     return starts, schedule["active"] - 1
 
 
-@pytest.mark.parametrize("steps,starts,analysed", [(6, [2], 2), (8, [2], 3), (40, [2, 10, 20, 30], 3)])
+@pytest.mark.parametrize("steps,starts,analysed", [(6, [2], 2), (8, [2], 4), (40, [2, 15, 30], 6)])
 def test_sweep_records_several_windows_after_the_first_step(steps, starts, analysed):
     assert sweep_windows(steps) == (starts, analysed)
     cfg = load_recipe(None, sweep_overrides(steps, Path("/tmp/out")))

@@ -49,13 +49,25 @@ def job_field(env, job_id, field):
     return match.group(1) if match else None
 
 
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_for(predicate, timeout, what, state=None):
+    """Poll ``predicate`` each second; on timeout, fail with ``state()`` (what the job looked like then)."""
+    start = time.monotonic()
+    while time.monotonic() < start + timeout:
         if predicate():
-            return
+            return time.monotonic() - start
         time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f": {state()}" if state else ""))
+
+
+def job_state(env, job_id, run_dir=None):
+    """The job's state fields, and its log's last lines: what a timed-out wait saw."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    fields = " ".join(m.group(0) for m in re.finditer(r"\b(JobState|Reason|Restarts|RunTime|BeginTime)=\S+", out))
+    tail = ""
+    if run_dir is not None:
+        logs = sorted(Path(run_dir).glob("slurm-*.err")) + sorted(Path(run_dir).glob("slurm-*.out"))
+        tail = " | ".join(line for log in logs for line in log.read_text(errors="replace").splitlines()[-3:])
+    return f"{fields} {tail}".strip()
 
 
 def train_losses(run_dir):
@@ -91,12 +103,14 @@ def test_sigusr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     steps = 120
     job_id, run_dir = submit(slurm, tmp_path, [f"trainer.max_steps={steps}", "trainer.val_every_n_steps=60",
                                                "trainer.log_every_n_steps=5", "checkpoint.every_n_steps=1000"])
-    wait_for(lambda: (run_dir / "csv" / "metrics.csv").exists() and len(train_losses(run_dir)) >= 2, 240,
-             "some training progress")
+    state = lambda: job_state(slurm, job_id, run_dir)  # noqa: E731
+    waited = [wait_for(lambda: (run_dir / "csv" / "metrics.csv").exists() and len(train_losses(run_dir)) >= 2, 240,
+                       "some training progress", state)]
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True)
-    wait_for(lambda: job_field(slurm, job_id, "Restarts") == "1", 120, "the requeue")
-    wait_for(lambda: job_field(slurm, job_id, "JobState") == "COMPLETED" and (run_dir / "summary.json").exists(),
-             300, "the requeued job to finish")
+    waited.append(wait_for(lambda: job_field(slurm, job_id, "Restarts") == "1", 120, "the requeue", state))
+    waited.append(wait_for(lambda: job_field(slurm, job_id, "JobState") == "COMPLETED"
+                           and (run_dir / "summary.json").exists(), 300, "the requeued job to finish", state))
+    print(f"seconds to progress, to the requeue, to the end: {[round(w) for w in waited]}")
     log = (run_dir / f"slurm-{job_id}.out").read_text() + (run_dir / f"slurm-{job_id}.err").read_text()
     preempted = int(re.search(r"preempted at step (\d+)", log).group(1))
     assert 0 < preempted < steps

@@ -252,3 +252,39 @@ def test_missing_path_is_reported_in_order(tmp_path):
         with pytest.raises(ShardlightError, match="no trace files"):
             (tmp_path / "empty").mkdir(exist_ok=True)
             load_traces([tmp_path / "empty", run], workers=workers)
+
+
+# --- the analyze command's heap setting --------------------------------------------------------
+
+_FAULTS = r"""
+import resource, sys
+from pathlib import Path
+from shardlight.trace import analyze_traces
+from shardlight.trace.chunks import keep_heap_top
+kept = keep_heap_top() if sys.argv[2] == "pad" else None
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+analyze_traces([Path(sys.argv[1])], workers=1)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@needs_shared
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="minor page faults are counted on Linux only")
+def test_keeping_the_heap_top_saves_the_page_faults_of_a_large_read(tmp_path):
+    # The truth: with glibc's default the 54 MB set's megabyte chunk buffers are faulted in again and again
+    # (about 41,000 faults here); with the heap's top kept they are faulted in once (about 16,000).
+    import subprocess
+    import sys
+
+    big = SHARED / "hta_df_index_resolver_rank1"
+    if not big.is_dir():
+        pytest.skip(f"{big} not found")
+    faults = {}
+    for mode in ("default", "pad"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, str(big), mode], capture_output=True, text=True,
+                             check=True).stdout.split()
+        faults[mode] = int(out[-1])
+        kept = out[0]
+    if kept != "True":
+        pytest.skip("not glibc: keep_heap_top changes nothing here")
+    assert faults["pad"] * 2 < faults["default"], faults

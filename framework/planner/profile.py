@@ -45,7 +45,11 @@ DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 MIN_STEPS = 6
 # The comm profiling windows of every sweep run (``window_schedule``): where the first starts, how far apart
 # they start (room for the previous window's analysis between them), warm-up and recorded steps of each.
-FIRST_WINDOW, WINDOW_EVERY, WINDOW_WARMUP, WINDOW_ACTIVE = 2, 10, 1, 4
+# A window stays open until its results are gathered, ``gather_delay`` (5) steps after its last: with 7 recorded
+# steps every 15, 40 steps give windows at 2, 15 and 30, so 12 analysed steps after the first window (every 10
+# with 4 recorded gave 6: the window at 10 never started, the first not gathered yet; 6 steps of a 2-rank CPU
+# run moved its median by up to a third between profiles).
+FIRST_WINDOW, WINDOW_EVERY, WINDOW_WARMUP, WINDOW_ACTIVE = 2, 15, 1, 7
 LOG_EVERY = 2
 PREDICTED_KEYS = ("params_bytes", "grads_bytes", "optim_bytes", "peak_bytes", "activation_bytes", "logits_bytes",
                   "comm_time_s", "compute_time_s", "step_time_s", "bound", "fits", "tokens_per_sec_per_device")
@@ -95,7 +99,8 @@ def window_schedule(steps: int) -> Dict[str, int]:
     first step's allocations), then one every ``WINDOW_EVERY`` steps while it fits, each ``WINDOW_WARMUP``
     traced step and up to ``WINDOW_ACTIVE`` recorded ones (the last dropped by the analysis). The calibration
     takes medians over every analysed step of every window but the first, so a longer run (``--steps 40``:
-    four windows) calibrates on more steps; a short one still gets its one window."""
+    windows at 2, 15 and 30, 6 analysed steps each) calibrates on more steps; a short one still gets its one
+    window."""
     active = max(2, min(WINDOW_ACTIVE, steps - FIRST_WINDOW - WINDOW_WARMUP))
     return {"first_step": FIRST_WINDOW, "every_n_steps": WINDOW_EVERY, "warmup": WINDOW_WARMUP, "active": active}
 
