@@ -121,6 +121,21 @@ def test_straggler_names_the_rank_everybody_waits_for_and_why(cause, slow):
     assert "everyone waits for rank 3" in result.lead
 
 
+def test_wait_every_rank_does_alike_is_not_a_straggler():
+    # The split of the 2-rank CPU run that was called straggler-bound: both ranks wait (40 and 58 ms of a 374 ms
+    # step, 13% on average), the least-waiting rank no slower than the other. Only 9 ms of the mean 49 ms is
+    # waiting for rank 0 (2.4%): the rest is the ranks reaching collectives in turn, nobody's doing.
+    common = dict(wall=374, overlapped=0, transfer=17, input_wait=0.7, input_ms=0.7)
+    result = diagnose(analysis(rank(**common, compute=290, wait=40), rank(**common, compute=272, wait=58)))
+    assert result.verdict != "straggler-bound" and "straggler-bound" not in result.secondary, result
+    assert result.shares["exposed_wait_pct"] > 10  # the split still shows all of it
+    # Rank 1 waiting 90 ms for a rank 0 that waits for nobody: all of the mean 45 ms (12%) is for rank 0.
+    result = diagnose(analysis(rank(**common, compute=290, wait=0), rank(**common, compute=272, wait=90)))
+    assert result.verdict == "straggler-bound" and result.straggler_rank == 0
+    assert result.evidence["straggler_wait_pct"] == pytest.approx(result.shares["exposed_wait_pct"])  # all of it
+    assert result.evidence["straggler_wait_pct"] > 10
+
+
 def test_straggler_without_a_slow_part_says_neither():
     equal = dict(wall=90, compute=50, overlapped=0, transfer=5, input_wait=1, input_ms=20)
     result = diagnose(analysis(rank(**equal, wait=25), rank(**equal, wait=25), rank(**equal, wait=0)))

@@ -25,7 +25,8 @@ class Config:
     exposed_wait_pct: float = field(
         default=10.0,
         metadata={"min": 0, "max": 100,
-                  "help": "Straggler-bound when exposed waiting for other ranks exceeds this % of the step."},
+                  "help": "Straggler-bound when the ranks' exposed wait for one rank (their mean wait less what "
+                          "that rank waits itself) exceeds this % of the step."},
     )
     input_wait_pct: float = field(
         default=10.0,

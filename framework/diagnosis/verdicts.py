@@ -154,6 +154,7 @@ def _straggler_evidence(facts: Facts) -> Dict[str, Any]:
     evidence = _common(facts, "exposed_wait", "exposed_wait_pct")
     s = facts.straggler
     if s is not None:
+        evidence["straggler_wait_pct"] = facts.straggler_wait_pct
         evidence.update(straggler_rank=s.rank, straggler_wait_ms=s.wait_ms, median_wait_ms=s.median_wait_ms,
                         straggler_compute_ms=s.compute_ms, median_compute_ms=s.median_compute_ms,
                         compute_slower_pct=s.compute_slower_pct, straggler_input_ms=s.input_ms,
@@ -168,15 +169,16 @@ def _straggler_lead(facts: Facts) -> str:
         slower = {"compute": s.compute_slower_pct, "input": s.input_slower_pct}.get(s.cause or "")
         who = (f" (everyone waits for rank {s.rank}: its {s.cause} is {slower:.0f}% slower)" if s.cause
                else f" (everyone waits for rank {s.rank})")
-    return (f"exposed wait {facts.shares['exposed_wait_pct']:.0f}% of step{who}, "
-            f"transfer {facts.shares['exposed_transfer_pct']:.0f}%")
+    share = facts.straggler_wait_pct
+    wait = facts.shares["exposed_wait_pct"] if share is None else share
+    return f"exposed wait {wait:.0f}% of step{who}, transfer {facts.shares['exposed_transfer_pct']:.0f}%"
 
 
 def _straggler_actions(facts: Facts) -> List[Action]:
     s = facts.straggler
     if s is None:
         return []
-    wait = facts.split["exposed_wait_ms"]
+    wait = max(0.0, facts.split["exposed_wait_ms"] - s.wait_ms)  # the wait for this rank, not everyone's jitter
     if s.cause == "compute":
         excess = min(wait, s.compute_ms - s.median_compute_ms)
         return [Action(f"rank {s.rank}'s compute is {s.compute_slower_pct:.0f}% slower than the median: check that "
@@ -295,7 +297,7 @@ def _compute_actions(facts: Facts) -> List[Action]:
 RULES = (
     Rule("communication-bound", lambda f: f.shares["exposed_transfer_pct"], "exposed_transfer_pct",
          _comm_evidence, _comm_lead, _comm_actions),
-    Rule("straggler-bound", lambda f: f.shares["exposed_wait_pct"], "exposed_wait_pct",
+    Rule("straggler-bound", lambda f: f.straggler_wait_pct, "exposed_wait_pct",
          _straggler_evidence, _straggler_lead, _straggler_actions),
     Rule("input-bound", lambda f: f.shares["input_wait_pct"], "input_wait_pct",
          _input_evidence, _input_lead, _input_actions),
