@@ -41,9 +41,10 @@ _STEP = np.frombuffer(b"ProfilerStep", dtype=np.uint8)
 
 # Reading a trace a chunk at a time allocates and frees megabyte buffers over and over (each inflated chunk, its
 # numpy temporaries, the scanner's buffer). By default glibc's malloc hands the top of its heap back to the kernel
-# as they are freed, so the next ones are faulted in afresh: reading the shared trace sets (116 MB decoded) took
-# 42,000 minor page faults, and 2,900 with 64 MiB kept at the heap's top -- 0.62 s vs 0.54 s for the reads, in a
-# fresh process on 2 idle cores (the peak RSS the same, 46 MB: pages never touched are not resident).
+# as they are freed, so the next ones are faulted in afresh: reading the 54 MB shared trace took 41,000 minor page
+# faults, and 16,000 with the pad set after the imports (as ``shardlight analyze`` does); all six shared sets read
+# in 0.62 s by default and 0.54 s with the pad set before the imports, in a fresh process on 2 idle cores. The
+# peak RSS is the same (46 MB): pages never touched are not resident.
 HEAP_TOP_PAD = 16 << 20  # 4 MiB already halves the faults; 16 to 64 MiB gave the same count
 _M_TOP_PAD = -2  # glibc malloc.h
 
