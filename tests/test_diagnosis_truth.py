@@ -118,9 +118,9 @@ def test_small_model_large_batches_is_compute_bound(tmp_path):
         # balanced ranks with hidden communication, is then not what ran). Wait that both ranks do alike (40
         # and 58 ms of a 374 ms step in one run here) is not a straggler's and must not make one.
         evidence = diagnosis["evidence"]
-        slower = {int(r): s["compute_total_ms"] for r, s in diagnosis["split_by_rank"].items()}
+        compute = {int(r): s["compute_total_ms"] for r, s in diagnosis["split_by_rank"].items()}
         assert evidence["cause"] == "compute" and evidence["compute_slower_pct"] >= 10, diagnosis
-        assert diagnosis["straggler_rank"] == max(slower, key=slower.get), diagnosis
+        assert diagnosis["straggler_rank"] == max(compute, key=compute.get), diagnosis
     else:
         assert diagnosis["verdict"] == "compute-bound", diagnosis
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -270,12 +272,9 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @needs_shared
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="minor page faults are counted on Linux only")
-def test_keeping_the_heap_top_saves_the_page_faults_of_a_large_read(tmp_path):
+def test_keeping_the_heap_top_saves_the_page_faults_of_a_large_read():
     # The truth: with glibc's default the 54 MB set's megabyte chunk buffers are faulted in again and again
     # (about 41,000 faults here); with the heap's top kept they are faulted in once (about 16,000).
-    import subprocess
-    import sys
-
     big = SHARED / "hta_df_index_resolver_rank1"
     if not big.is_dir():
         pytest.skip(f"{big} not found")
