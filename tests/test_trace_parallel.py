@@ -274,7 +274,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="minor page faults are counted on Linux only")
 def test_keeping_the_heap_top_saves_the_page_faults_of_a_large_read():
     # The truth: with glibc's default the 54 MB set's megabyte chunk buffers are faulted in again and again
-    # (about 41,000 faults here); with the heap's top kept they are faulted in once (about 16,000).
+    # (about 41,000 faults here); served from the heap, its top kept, they are faulted in once (about 2,900).
     big = SHARED / "hta_df_index_resolver_rank1"
     if not big.is_dir():
         pytest.skip(f"{big} not found")
@@ -286,4 +286,4 @@ def test_keeping_the_heap_top_saves_the_page_faults_of_a_large_read():
         kept = out[0]
     if kept != "True":
         pytest.skip("not glibc: keep_heap_top changes nothing here")
-    assert faults["pad"] * 2 < faults["default"], faults
+    assert faults["pad"] * 4 < faults["default"], faults

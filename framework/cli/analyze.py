@@ -56,7 +56,7 @@ def run_analyze(args) -> int:
         raise ShardlightError(f"--link-peak-gbps must be a positive GB/s figure, got {args.link_peak_gbps}")
     if args.workers is not None and args.workers < 1:
         raise ShardlightError(f"--workers must be 1 or more, got {args.workers}")
-    keep_heap_top()  # this process only reads traces: see chunks.HEAP_TOP_PAD
+    keep_heap_top()  # this process only reads traces: see chunks.keep_heap_top
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
                               link_peak_gbps=args.link_peak_gbps, workers=args.workers)
     print(format_table(analysis))

@@ -40,25 +40,29 @@ _STEP = np.frombuffer(b"ProfilerStep", dtype=np.uint8)
 
 
 # Reading a trace a chunk at a time allocates and frees megabyte buffers over and over (each inflated chunk, its
-# numpy temporaries, the scanner's buffer). By default glibc's malloc hands the top of its heap back to the kernel
-# as they are freed, so the next ones are faulted in afresh: reading the 54 MB shared trace took 41,000 minor page
-# faults, and 16,000 with the pad set after the imports (as ``shardlight analyze`` does); all six shared sets read
-# in 0.62 s by default and 0.54 s with the pad set before the imports, in a fresh process on 2 idle cores. The
-# peak RSS is the same (46 MB): pages never touched are not resident.
-HEAP_TOP_PAD = 16 << 20  # 4 MiB already halves the faults; 16 to 64 MiB gave the same count
-_M_TOP_PAD = -2  # glibc malloc.h
+# numpy temporaries, the scanner's buffer). By default glibc's malloc maps the larger ones afresh, or hands the
+# top of its heap back to the kernel as they are freed, so the next ones are faulted in again: reading the 54 MB
+# shared trace took about 41,000 minor page faults. Serving buffers up to 32 MiB from the heap and keeping 16 MiB
+# free at its top, set after the imports as ``shardlight analyze`` does, took about 2,900 in every process tried.
+# The pad alone gave 2,900 to 32,000 (it fixes the mmap threshold wherever the imports left it). The peak RSS
+# is the same, 46 MB: pages never touched are not resident.
+HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest
+HEAP_TOP_PAD = 16 << 20
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # glibc malloc.h
 
 
-def keep_heap_top(pad: int = HEAP_TOP_PAD) -> bool:
-    """Ask glibc's malloc to keep ``pad`` bytes free at the top of its heap instead of returning them to the kernel
-    (``mallopt(M_TOP_PAD)``), for a process whose work is reading large traces (``shardlight analyze``). It holds
-    for the rest of the process and fixes malloc's other thresholds where they stand, so the command calls it, never
-    the library: a training process that analyses its comm windows keeps glibc's defaults. False where the C
-    library is not glibc (nothing is changed there)."""
+def keep_heap_top(pad: int = HEAP_TOP_PAD, mmap_threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
+    """Ask glibc's malloc to serve buffers up to ``mmap_threshold`` bytes from its heap and to keep ``pad`` bytes
+    free at the heap's top instead of returning them to the kernel (``mallopt(M_MMAP_THRESHOLD)``,
+    ``mallopt(M_TOP_PAD)``), for a process whose work is reading large traces (``shardlight analyze``). It holds for
+    the rest of the process and fixes malloc's other thresholds, so the command calls it, never the library: a
+    training process that analyses its comm windows keeps glibc's defaults. False where the C library is not
+    glibc (nothing is changed there)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        return bool(ctypes.CDLL(None).mallopt(_M_TOP_PAD, int(pad)))
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) & bool(libc.mallopt(_M_TOP_PAD, int(pad)))
     except (OSError, AttributeError):
         return False
 
