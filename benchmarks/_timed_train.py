@@ -1,9 +1,11 @@
 """`shardlight train ARGS` with a step timer and start-up marks, for the timing benchmarks.
 
-The real CLI runs unchanged; a Lightning callback is added to the callbacks the builder makes, and the
-preflight is wrapped to time it. Lightning's launcher re-executes this script for the other ranks, so every
-rank writes ``timing-rank{R}.json`` into ``$SHARDLIGHT_BENCH_TIMES`` (a process boundary: the benchmark
-sets it):
+The real CLI runs unchanged, imports included: the training path (torch, Lightning, transformers) is imported
+where the CLI imports it, after the recipe has loaded and the other ranks have started in standby
+(``shardlight.launch.standby``). When ``shardlight.train`` has been imported, a Lightning callback is added to
+the callbacks the builder makes and the preflight is wrapped to time it. Every rank runs this script (the
+standby ranks are started with the same command line), so every rank writes ``timing-rank{R}.json`` into
+``$SHARDLIGHT_BENCH_TIMES`` (a process boundary: the benchmark sets it):
 
 * ``steps``: seconds from batch in hand (``on_train_batch_start``) to optimizer step done
   (``on_train_batch_end``), per optimizer step;
@@ -20,6 +22,8 @@ import time
 
 START = time.time()
 
+import importlib.abc  # noqa: E402
+import importlib.machinery  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -27,62 +31,85 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-
-import shardlight.build.trainer as trainer_builder  # noqa: E402
-import shardlight.train as train_module  # noqa: E402
-from shardlight.cli import main  # noqa: E402
+from shardlight.cli import main  # noqa: E402  (light: the CLI imports torch only once the recipe is good)
 
 TIMES_ENV = "SHARDLIGHT_BENCH_TIMES"
-MARKS = {"start": START, "imports": time.time()}
+MARKS = {"start": START}
 
 
-class StepTimer(pl.Callback):
-    def __init__(self) -> None:
-        self.steps: list = []
-        self.ends: list = []
-        self.cpu_ends: list = []
-        self._start = 0.0
+def instrument(train_module) -> None:
+    """Add the step timer to the builder's callbacks and time the preflight (``shardlight.train`` imported)."""
+    import lightning.pytorch as pl
 
-    def setup(self, trainer, pl_module, stage):
-        MARKS.setdefault("fit", time.time())
+    import shardlight.build.trainer as trainer_builder
 
-    def on_train_start(self, trainer, pl_module):
-        MARKS["wrapped"] = time.time()
+    MARKS["imports"] = time.time()
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list = []
+            self.ends: list = []
+            self.cpu_ends: list = []
+            self._start = 0.0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append(time.perf_counter() - self._start)
-        self.ends.append(time.time())
-        self.cpu_ends.append(time.process_time())
-        MARKS.setdefault("first_step", self.ends[-1])
+        def setup(self, trainer, pl_module, stage):
+            MARKS.setdefault("fit", time.time())
 
-    def on_train_end(self, trainer, pl_module):
-        out = os.environ.get(TIMES_ENV)
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            record = {"steps": self.steps, "ends": self.ends, "cpu_ends": self.cpu_ends, "marks": MARKS}
-            (Path(out) / f"timing-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        def on_train_start(self, trainer, pl_module):
+            MARKS["wrapped"] = time.time()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps.append(time.perf_counter() - self._start)
+            self.ends.append(time.time())
+            self.cpu_ends.append(time.process_time())
+            MARKS.setdefault("first_step", self.ends[-1])
+
+        def on_train_end(self, trainer, pl_module):
+            out = os.environ.get(TIMES_ENV)
+            if out:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                record = {"steps": self.steps, "ends": self.ends, "cpu_ends": self.cpu_ends, "marks": MARKS}
+                (Path(out) / f"timing-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+    build_callbacks = trainer_builder.build_callbacks
+    preflight = train_module.preflight
+
+    def with_timer(cfg, ctx):
+        return build_callbacks(cfg, ctx) + [StepTimer()]
+
+    def timed_preflight(*args, **kwargs):
+        result = preflight(*args, **kwargs)
+        MARKS["preflight"] = time.time()
+        return result
+
+    trainer_builder.build_callbacks = with_timer
+    train_module.preflight = timed_preflight
 
 
-_build_callbacks = trainer_builder.build_callbacks
-_preflight = train_module.preflight
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``instrument`` right after ``shardlight.train`` has been imported, wherever the CLI imports it."""
+
+    name = "shardlight.train"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        instrument(module)
 
 
-def _with_timer(cfg, ctx):
-    return _build_callbacks(cfg, ctx) + [StepTimer()]
-
-
-def _timed_preflight(*args, **kwargs):
-    result = _preflight(*args, **kwargs)
-    MARKS["preflight"] = time.time()
-    return result
-
-
-trainer_builder.build_callbacks = _with_timer
-train_module.preflight = _timed_preflight
+sys.meta_path.insert(0, _AfterImport())
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())  # its own command line: the ranks run it again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import lightning.pytorch as pl
 
@@ -11,6 +12,7 @@ from shardlight.build.loggers import build_loggers
 from shardlight.build.strategy import build_strategy
 from shardlight.callbacks.progress import LatestMetrics, StepProgressBar
 from shardlight.launch import launcher_named
+from shardlight.launch.standby import StandbyRanks
 from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
@@ -35,11 +37,13 @@ def _not_chatter(record: logging.LogRecord) -> bool:
     return not any(chatter in message for chatter in _CHATTER)
 
 
-def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
+def build_trainer(cfg: RecipeConfig, ctx: RunContext, standby: Optional[StandbyRanks] = None) -> pl.Trainer:
+    """``standby``: the other local ranks, started ahead by the launching process; the strategy's launcher
+    hands them their environment where Lightning's would start them."""
     t = cfg.trainer
     for name in (*_LIGHTNING_INFO_LOGGERS, _LIGHTNING_DIST_LOGGER):
         logging.getLogger(name).addFilter(_not_chatter)  # once: a logger keeps a filter only once
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, standby)
     loggers = build_loggers(cfg, ctx)
     callbacks = build_callbacks(cfg, ctx)
     if t.progress_bar:

@@ -6,11 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shardlight.checkpoint import export_checkpoint, format_inspect, inspect_checkpoint
 from shardlight.files import write_json
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from shardlight.checkpoint import export_checkpoint  # torch, transformers: when the command runs
+
     report = export_checkpoint(Path(args.checkpoint), Path(args.out), merge=args.merge)
     verdict = "OK" if report["ok"] else "FAILED"
     if "adapter_dir" in report:  # a PEFT checkpoint: the adapter and, with --merge, the merged model
@@ -27,6 +28,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from shardlight.checkpoint import format_inspect, inspect_checkpoint
+
     listing = inspect_checkpoint(Path(args.checkpoint), include_optimizer=args.all)
     if args.json:
         write_json(args.json, listing)

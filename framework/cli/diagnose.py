@@ -17,8 +17,6 @@ from shardlight.diagnosis import render_panel, write_report
 from shardlight.diagnosis.run_inputs import RunInputs, load_run_inputs
 from shardlight.errors import ShardlightError, first_line
 from shardlight.files import write_json
-from shardlight.planner.alternatives import alternatives_on_device
-from shardlight.planner.runs import read_metrics
 
 DIAGNOSE_HELP = "say what bounds a run's step time (communication, a straggler, input, memory, host) and what to try"
 
@@ -39,6 +37,7 @@ def planner_alternatives(inputs: RunInputs) -> tuple:
         return [], None
     try:
         from shardlight.build import build_hf_config  # heavy (transformers): only for a run directory
+        from shardlight.planner.alternatives import alternatives_on_device
         from shardlight.recipe import load_recipe
 
         cfg = load_recipe(str(inputs.run_dir / "recipe.yaml"))
@@ -48,6 +47,8 @@ def planner_alternatives(inputs: RunInputs) -> tuple:
 
 
 def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
+    from shardlight.planner.runs import read_metrics  # the planner imports torch: only for a run directory
+
     return read_metrics(run_dir) if run_dir is not None else {}
 
 

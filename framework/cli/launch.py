@@ -10,7 +10,6 @@ from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
 from shardlight.errors import ShardlightError
 from shardlight.launch.local import launch_local
 from shardlight.launch.slurm import SlurmAllocation, check_overrides_match, submit, write_job
-from shardlight.recipe import load_recipe
 from shardlight.runtime import RunContext
 
 
@@ -19,6 +18,8 @@ def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocat
     ``run_dir/job.sbatch``; returns (path, script text)."""
     alloc.validate()
     check_overrides_match(overrides, alloc)
+    from shardlight.recipe import load_recipe  # the schema imports the callbacks, and so torch
+
     cfg = load_recipe(recipe, list(overrides) + [f"trainer.num_nodes={alloc.nodes}",
                                                   f"trainer.devices={alloc.gpus_per_node}"])
     from shardlight.preflight import preflight  # tokenizer, model config, wrap classes: torch and transformers

@@ -6,33 +6,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-from shardlight.build import build_hf_config
 from shardlight.cli.common import add_recipe_items, parse_number, parse_on_off, split_recipe_and_overrides, write_json
 from shardlight.errors import ShardlightError
-from shardlight.planner.calibration import check_matches, load_calibration
-from shardlight.planner.measured import StepModel
-from shardlight.planner.model_spec import ModelSpec
-from shardlight.planner.plan import (
-    ClusterOptions,
-    WorkloadOptions,
-    cluster_for,
-    model_from_hf_config,
-    plan_for,
-    render,
-    spec_from_recipe,
-    step_model_from_recipe,
-    workload_for,
-)
-from shardlight.planner.profile import ProfileRequest, profile
-from shardlight.recipe import RecipeConfig, load_recipe
+
+if TYPE_CHECKING:  # the planner imports torch and transformers: each handler imports it when it runs
+    from shardlight.planner.measured import StepModel
+    from shardlight.planner.model_spec import ModelSpec
+    from shardlight.planner.plan import ClusterOptions, WorkloadOptions
+    from shardlight.recipe import RecipeConfig
 
 
 def model_from_args(args: argparse.Namespace) -> Tuple[ModelSpec, StepModel, Optional[RecipeConfig]]:
     """(model spec, what the fake step builds, recipe or None) from ``[RECIPE] [key=value ...]`` or
     ``--hf-config``. A recipe's config comes from ``build_hf_config``: its inline ``model.config``, else the
     hub cache / a local path of ``model.name_or_path``."""
+    from shardlight.build import build_hf_config
+    from shardlight.planner.plan import model_from_hf_config, spec_from_recipe, step_model_from_recipe
+    from shardlight.recipe import load_recipe
+
     items = list(getattr(args, "items", []) or [])
     hf_config = getattr(args, "hf_config", None)
     if hf_config:
@@ -47,6 +40,8 @@ def model_from_args(args: argparse.Namespace) -> Tuple[ModelSpec, StepModel, Opt
 
 
 def workload_options(args: argparse.Namespace) -> WorkloadOptions:
+    from shardlight.planner.plan import WorkloadOptions
+
     return WorkloadOptions(
         micro_batch_size=parse_number("--micro-batch-size", args.micro_batch_size),
         seq_len=parse_number("--seq-len", args.seq_len),
@@ -57,6 +52,8 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    from shardlight.planner.plan import ClusterOptions
+
     return ClusterOptions(
         nodes=parse_number("--nodes", args.nodes), gpus_per_node=parse_number("--gpus-per-node", args.gpus_per_node),
         gpu_memory=args.gpu_memory, interconnect=tuple(args.interconnect or ()),
@@ -76,6 +73,9 @@ def restrictions(args: argparse.Namespace) -> Tuple[Optional[bool], Optional[boo
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from shardlight.planner.calibration import check_matches, load_calibration
+    from shardlight.planner.plan import cluster_for, plan_for, render, workload_for
+
     spec, step_model, cfg = model_from_args(args)
     work, cluster = workload_options(args), cluster_options(args)
     ckpt, offload = restrictions(args)
@@ -94,6 +94,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from shardlight.build import build_hf_config
+    from shardlight.planner.profile import ProfileRequest, profile
+
     steps = parse_number("--steps", args.steps)
     timeout = parse_number("--timeout", args.timeout, float)
     recipe, overrides = split_recipe_and_overrides(list(args.items or []))

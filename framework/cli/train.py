@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
-from shardlight.recipe import load_recipe, to_yaml
+from shardlight.launch.standby import StandbyRanks, serve_as_standby, standby_pays
+from shardlight.recipe.files import peek_ranks
 from shardlight.runtime import RunContext
 
 
 def run_train(args: argparse.Namespace) -> int:
+    # A rank started ahead of Lightning's launcher: import what a rank needs, then wait for its environment.
+    serve_as_standby(lambda: importlib.import_module("shardlight.train"))
     recipe, overrides = split_recipe_and_overrides(args.items)
-    cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
-    if args.print_config:
-        sys.stdout.write(to_yaml(cfg))
-        return 0
     # Quiet third-party chatter that is not the user's concern on an offline CPU run.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
-    from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
+    # The other local ranks import beside this process (about 4 s each) instead of after it: started from the
+    # recipe files' trainer.devices before anything heavy is imported, killed if the recipe or the preflight
+    # refuses the run. The loaded recipe decides; the launcher starts any rank the peek missed.
+    ctx = RunContext.from_env()
+    ranks = peek_ranks(recipe, overrides) if args.own_command_line and not args.print_config else 1
+    standby = StandbyRanks.start(ranks, os.environ) if standby_pays(ctx.launcher, ranks, 1) else None
+    try:
+        from shardlight.recipe import load_recipe, to_yaml  # the schema imports the callbacks, and so torch
 
-    summary = train(RunContext.from_env(), cfg, summary_json=args.summary_json)
+        cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
+        if args.print_config:
+            sys.stdout.write(to_yaml(cfg))
+            return 0
+        from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
+
+        t = cfg.trainer
+        summary = train(ctx, cfg, summary_json=args.summary_json,
+                        standby=standby if standby_pays(ctx.launcher, t.devices, t.num_nodes) else None)
+    finally:
+        if standby is not None:
+            standby.cancel()
     # A run stopped by a non-finite loss or gradient norm has said so on stderr (rank 0); it failed.
     return 1 if summary.get("stopped") else 0
 

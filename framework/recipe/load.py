@@ -14,37 +14,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import shardlight.recipes
 from shardlight.errors import ShardlightError
 from shardlight.recipe.accelerate import accelerate_config_overrides
+from shardlight.recipe.files import DEFAULT_RECIPE, find_base, load_yaml
 from shardlight.recipe.schema import FSDPConfig, RecipeConfig
 from shardlight.recipe.validate import validate
-
-# The recipes ship inside the package (shardlight.recipes), so this is right for a wheel and a checkout alike.
-RECIPES_DIR = Path(shardlight.recipes.__file__).resolve().parent
-DEFAULT_RECIPE = RECIPES_DIR / "tiny-llama-sft.yaml"
-
-
-def _load_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ShardlightError(f"recipe file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ShardlightError(f"YAML syntax error in {where}: {exc.problem}") from None
-    except yaml.YAMLError as exc:
-        raise ShardlightError(f"YAML error in {path}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ShardlightError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
-    return data
 
 
 @lru_cache(maxsize=None)
@@ -204,31 +181,11 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
                 sub[key] = str(candidate)
 
 
-def _find_base(base: str, recipe: Path) -> Path:
-    """``base:`` is looked up beside the recipe, then among the shipped recipes (``recipes/name.yaml`` as
-    the repo spells it means the same), then in the current directory."""
-    named = Path(os.path.expanduser(base))
-    if named.is_absolute():
-        if named.is_file():
-            return named
-        raise ShardlightError(f"base recipe '{base}' named in {recipe} not found")
-    shipped = Path(*named.parts[1:]) if len(named.parts) > 1 and named.parts[0] == "recipes" else named
-    places = {"beside the recipe": recipe.parent / named, "shipped recipes": RECIPES_DIR / shipped,
-              "current directory": Path.cwd() / named}
-    for path in places.values():
-        if path.is_file():
-            return path
-    looked: Dict[Path, str] = {}  # the recipe's directory may be the current one: each path once
-    for what, path in places.items():
-        looked.setdefault(path, f"{path} ({what})")
-    raise ShardlightError(f"base recipe '{base}' named in {recipe} not found; looked for {', '.join(looked.values())}")
-
-
 def _recipe_chain(path: Path, seen: tuple = ()) -> List[tuple]:
     path = path.resolve()
     if path in seen:
         raise ShardlightError(f"recipe inheritance loop: {' -> '.join(str(p) for p in seen + (path,))}")
-    raw = _load_yaml(path)
+    raw = load_yaml(path)
     _check_keys(raw, RecipeConfig, "", str(path))
     _normalize_raw(raw)
     _conform(raw, RecipeConfig, "", str(path))
@@ -236,7 +193,7 @@ def _recipe_chain(path: Path, seen: tuple = ()) -> List[tuple]:
     chain = []
     base = raw.pop("base", None)
     if base is not None:
-        chain.extend(_recipe_chain(_find_base(str(base), path), seen + (path,)))
+        chain.extend(_recipe_chain(find_base(str(base), path), seen + (path,)))
     chain.append((str(path), raw))
     return chain
 
