@@ -76,7 +76,7 @@ class StandbyRanks:
             procs[local_rank] = subprocess.Popen(command, env=env, stdin=subprocess.PIPE)
         return cls(procs, command)
 
-    def hand_off(self, environs: Mapping[int, Mapping[str, str]], cwd: Optional[str] = None) -> List[subprocess.Popen]:
+    def hand_off(self, environs: Mapping[int, Mapping[str, str]]) -> List[subprocess.Popen]:
         """Give each standby rank its environment and let it run; the processes, in rank order. A standby
         that has died is replaced by a fresh process with that environment."""
         self.handed_off = True
@@ -94,7 +94,7 @@ class StandbyRanks:
             except (BrokenPipeError, OSError):
                 if proc is not None and proc.poll() is None:
                     proc.kill()
-                proc = subprocess.Popen(self.command, env=dict(env), cwd=cwd)
+                proc = subprocess.Popen(self.command, env=dict(env))
             out.append(proc)
         return out
 
@@ -111,11 +111,11 @@ class StandbyRanks:
                 proc.stdin.close()
 
 
-def serve_as_standby(prepare: Callable[[], object], environ: Optional[Mapping[str, str]] = None) -> None:
+def serve_as_standby(prepare: Callable[[], object]) -> None:
     """In a process started as a standby rank (``ENV_STANDBY``): run ``prepare`` (the imports) with the
     output held back, wait for the hand-off, take its environment as this process's, write out what was held
     back and return. The end of input, or an interrupt, ends the process quietly. Elsewhere: nothing."""
-    if (os.environ if environ is None else environ).get(ENV_STANDBY) != "1":
+    if os.environ.get(ENV_STANDBY) != "1":
         return
     held = _HeldOutput()
     try:

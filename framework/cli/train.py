@@ -33,11 +33,12 @@ def run_train(args: argparse.Namespace) -> int:
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0
+        if standby is not None and not standby_pays(ctx.launcher, cfg.trainer.devices, cfg.trainer.num_nodes):
+            standby.cancel()  # the loaded recipe runs one rank here after all: no rank idles through the run
+            standby = None
         from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
 
-        t = cfg.trainer
-        summary = train(ctx, cfg, summary_json=args.summary_json,
-                        standby=standby if standby_pays(ctx.launcher, t.devices, t.num_nodes) else None)
+        summary = train(ctx, cfg, summary_json=args.summary_json, standby=standby)
     finally:
         if standby is not None:
             standby.cancel()
