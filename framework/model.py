@@ -187,10 +187,9 @@ class CausalLMModule(pl.LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         optimizer.step(closure=optimizer_closure)
         # Free the gradients as soon as the step has used them. Lightning's own zero_grad runs inside the next
-        # step's closure, between its forward and its backward, so every forward ran with the last step's
-        # gradients still allocated: measured on the 2-rank CPU benchmark model, alternating the two orders
-        # step by step in one run, that cost 3-5 ms of a 185 ms step (forward and backward both slower).
-        # Lightning's later zero_grad then finds nothing to free. The planner assumes this order too.
+        # step's closure, between its forward and its backward, so every forward held the last step's gradients
+        # (a gradient shard per parameter) beside its activations. The planner assumes they are gone by then.
+        # Lightning's later zero_grad then finds nothing to free.
         optimizer.zero_grad(set_to_none=True)
 
     def _guard_nonfinite(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The training step's order under Lightning's loop, in-process on one CPU rank with the default recipe's model:
-gradients are freed right after each optimizer step, so the next forward runs without them (the order the
-planner assumes, and 3-5 ms of a step on the strategy_overhead benchmark), and gradient accumulation still sums
-every micro-batch of a window into the update."""
+gradients are freed right after each optimizer step, so the next forward does not hold them beside its
+activations (the order the planner assumes), and gradient accumulation still sums every micro-batch of a window
+into the update."""
 
 import copy
 from types import SimpleNamespace
