@@ -68,7 +68,6 @@ def test_gradients_are_freed_after_each_step_and_accumulate_within_a_window(tmp_
     # The first update's gradients are those of both micro-batches of its window, each loss over the window.
     loader = iter(DataLoader(rows, batch_size=2))
     initial = order.initial
-    initial.zero_grad(set_to_none=True)
     for _ in range(ACCUMULATE):
         loss_sum, count = CausalLMModule._loss_sum(SimpleNamespace(model=initial), next(loader))
         (loss_sum / count / ACCUMULATE).backward()
