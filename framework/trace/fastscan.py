@@ -5,9 +5,9 @@ calls that share their correlation ids, and the ``ProfilerStep`` markers. Decodi
 with the json module costs about as much as the whole analysis may take, so the event array is
 cut into chunks of whole events and each chunk gets:
 
-* ``_KERNEL`` / ``_LAUNCH``: compiled regexes that read name, ts, dur and correlation of GPU rows
-  (stream >= 0 before the correlation) and ts and correlation of launch calls, in Kineto's key
-  order;
+* ``_ROWS``: one compiled regex that reads name, ts, dur and correlation of GPU rows (stream >= 0
+  before the correlation) and of launch calls, in Kineto's key order: one pass over the chunk
+  for both kinds of row;
 * ``bytes.count`` of ``"stream"`` and ``"correlation"``: regex matches never overlap and each
   holds one such key, so equal counts prove that every event carrying one was read by a regex
   (which tokenizes strings and numbers exactly), and none was read twice;
@@ -22,8 +22,8 @@ Two more kinds of rows are read only where a cheap ``bytes.find`` says a chunk h
 the common chunk pays one C search each:
 
 * the args of NCCL kernels that describe their collective (``"Collective name"``, message sizes,
-  process group; :data:`shardlight.trace.records.COMM_ARG_KEYS`): that chunk's kernel regex runs
-  as ``finditer`` and each such kernel's args object is decoded with json;
+  process group; :data:`shardlight.trace.records.COMM_ARG_KEYS`): that chunk's regex runs as
+  ``finditer`` and each such kernel's args object is decoded with json;
 * the input pipeline's ``enumerate(DataLoader)`` annotations, decoded with json like the steps.
 
 No other CPU rows are kept here: :mod:`shardlight.trace.reader` uses this pass only for a file
@@ -44,12 +44,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-import zlib
 from bisect import bisect_left
 from itertools import repeat
 from pathlib import Path
 
-from shardlight.trace.chunks import Chunks
+from shardlight.trace.chunks import INFLATE_ERRORS, Chunks
 from shardlight.trace.records import INPUT_PREFIX, Collector, TraceRecord, as_int, comm_args
 
 
@@ -62,17 +61,15 @@ _WS_BYTES = b" \t\n\r"
 _DECODER = json.JSONDecoder()
 _NUM = rb"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"
 # From the category to just past the ids, in Kineto's key order and spacing (json.dumps' too).
-# A name is read up to the first quote: at an escaped quote what follows cannot match, so the
-# counts disagree; other escapes are decoded with json. Before the ids, args are skipped token by
-# token (strings may hold braces, as in "{lambda()#1}"), and no brace may occur outside a
-# string, so every key read belongs to the same event.
-_HEAD = (rb'", "name": "(%s)",\s*"pid":[^,{}]*,\s*"tid":[^,{}]*,\s*"ts":\s*(%s),\s*"dur":\s*%s,'
-         rb'\s*"args":\s*\{[^{}"]*(?:"[^"\\]*(?:\\.[^"\\]*)*"[^{}"]*)*?')
-_KERNEL = re.compile(rb'"cat": "(?:kernel|gpu_memcpy|gpu_memset|cuda_sync)'
-                     + _HEAD % (rb'[^"]*', _NUM, b"(" + _NUM + b")")
-                     + rb'"stream":\s*\d+,\s*"correlation":\s*(\d+)[,}\s]')
-_LAUNCH = re.compile(rb'"cat": "(?:cuda_runtime|cuda_driver)' + _HEAD % (rb'?:[^"]*', _NUM, _NUM)
-                     + rb'"correlation":\s*(\d+)[,}\s]')
+# Groups: the GPU row's category (empty for a launch call), name, ts, dur, correlation. A name is
+# read up to the first quote: at an escaped quote what follows cannot match, so the counts
+# disagree; other escapes are decoded with json. Before the ids, args are skipped token by token
+# (strings may hold braces, as in "{lambda()#1}"), and no brace may occur outside a string, so
+# every key read belongs to the same event.
+_ROWS = re.compile(rb'"cat": "(?:(kernel|gpu_memcpy|gpu_memset|cuda_sync)|cuda_runtime|cuda_driver)'
+                   rb'", "name": "([^"]*)",\s*"pid":[^,{}]*,\s*"tid":[^,{}]*,\s*"ts":\s*(%s),\s*"dur":\s*(%s),'
+                   rb'\s*"args":\s*\{[^{}"]*(?:"[^"\\]*(?:\\.[^"\\]*)*"[^{}"]*)*?'
+                   rb'(?(1)"stream":\s*\d+,\s*)"correlation":\s*(\d+)[,}\s]' % (_NUM, _NUM))
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _STEP = b"ProfilerStep"
 _INPUT = INPUT_PREFIX.encode()
@@ -239,8 +236,8 @@ def _scan(path: Path, chunk_chars: int, part) -> TraceRecord:
         if window.peek() >= 0:
             raise FastPathMiss("extra data")
         record.float_timestamps = record.float_timestamps or chunks.float_ts
-    # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and zlib.error come from reading.
-    except (ValueError, RecursionError, OSError, EOFError, zlib.error) as exc:
+    # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and INFLATE_ERRORS come from reading.
+    except (ValueError, RecursionError, OSError, EOFError, *INFLATE_ERRORS) as exc:
         raise FastPathMiss(str(exc)) from None
     finally:
         chunks.close()
@@ -312,7 +309,10 @@ def _numbers(raw) -> tuple[list, bool]:
     try:
         return list(map(int, raw)), False
     except ValueError:
-        return [float(x) if (b"." in x or b"e" in x or b"E" in x) else int(x) for x in raw], True
+        pass
+    if b" ".join(raw).count(b".") == len(raw):  # a token holds at most one ".": here each holds one
+        return list(map(float, raw)), True
+    return [float(x) if (b"." in x or b"e" in x or b"E" in x) else int(x) for x in raw], True
 
 
 def _texts(raw: tuple[bytes, ...]) -> list[str]:
@@ -384,30 +384,32 @@ class _Scanner:
         """
         streams = buf.count(b'"stream"', start, end)
         correlations = buf.count(b'"correlation"', start, end)
-        described = streams and any(buf.find(key, start, end) >= 0 for key in _COMM_KEYS)
-        matches = list(_KERNEL.finditer(buf, start, end)) if described else None
-        if matches is not None:
-            kernels = [match.groups() for match in matches]
+        matches = None
+        if not correlations:
+            rows = []
+        elif streams and any(buf.find(key, start, end) >= 0 for key in _COMM_KEYS):
+            matches = list(_ROWS.finditer(buf, start, end))  # positions, for the NCCL kernels' args
+            rows = [match.groups() for match in matches]
         else:
-            kernels = _KERNEL.findall(buf, start, end) if streams else []
-        launches = _LAUNCH.findall(buf, start, end) if correlations > len(kernels) else []
-        if len(kernels) != streams or len(kernels) + len(launches) != correlations:
+            rows = _ROWS.findall(buf, start, end)
+        kernels = [row for row in rows if row[0]]
+        if len(kernels) != streams or len(rows) != correlations:
             self._scan_pieces(buf, start, end)
-        else:
-            if kernels:
-                first_row = len(self.record.gpu_name)
-                self._add_kernels(kernels)
-                if matches:
-                    self._add_comm_args(buf, matches, first_row)
-            if launches:
-                self._add_launches(launches)
-            self._add_steps(buf, start, end, steps)
-            self._add_inputs(buf, start, end)
+            return
+        if kernels:
+            if matches:
+                self._add_comm_args(buf, [match for match in matches if match.group(1)])
+            self._add_kernels(kernels)
+        if len(kernels) < len(rows):
+            self._add_launches([row for row in rows if not row[0]])
+        self._add_steps(buf, start, end, steps)
+        self._add_inputs(buf, start, end)
 
-    def _add_comm_args(self, buf: bytes, matches: list, first_row: int) -> None:
-        """The collective args of the NCCL kernels among ``matches`` (rows from ``first_row`` on)."""
+    def _add_comm_args(self, buf: bytes, matches: list) -> None:
+        """The collective args of the NCCL kernels among the GPU rows ``matches`` (before they are added)."""
+        first_row = len(self.record.gpu_name)
         for offset, match in enumerate(matches):
-            if not match.group(1).startswith(b"nccl"):
+            if not match.group(2).startswith(b"nccl"):
                 continue
             opening = buf.index(b"{", buf.rfind(b'"args":', match.start(), match.end()))
             rest = _OBJECT_REST.match(buf, opening + 1)
@@ -427,7 +429,7 @@ class _Scanner:
             found = buf.find(_INPUT, last, end)
 
     def _add_kernels(self, kernels: list) -> None:
-        names, stamps, durations, correlations = zip(*kernels)
+        _, names, stamps, durations, correlations = zip(*kernels)
         stamps, floats = _numbers(stamps)
         if floats:
             self.record.float_timestamps = True
@@ -440,7 +442,7 @@ class _Scanner:
         record.gpu_is_kernel.extend(repeat(True, len(stamps)))
 
     def _add_launches(self, launches: list) -> None:
-        stamps, correlations = zip(*launches)
+        _, _, stamps, _, correlations = zip(*launches)
         stamps, floats = _numbers(stamps)
         if floats:
             self.record.float_timestamps = True
