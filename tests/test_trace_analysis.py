@@ -123,6 +123,30 @@ def test_streaming_reader_is_chunk_size_independent(monkeypatch):
 
 
 @needs_shared
+@pytest.mark.parametrize("set_name", _set_names())
+def test_fast_scan_reads_what_the_full_reader_reads(set_name, monkeypatch):
+    """Every shared file: the fast scan (regexes over the raw bytes) takes its fast path, with no chunk decoded
+    event by event, and keeps exactly the device rows, launch times, NCCL args and step rows that decoding
+    every event gives."""
+    from dataclasses import asdict
+
+    from shardlight.trace import fastscan
+
+    slow_chunks = []
+    original = fastscan._Scanner._scan_pieces
+    monkeypatch.setattr(fastscan._Scanner, "_scan_pieces",
+                        lambda self, buf, start, end: (slow_chunks.append(start), original(self, buf, start, end)))
+    for path in sorted((SHARED / set_name).iterdir()):
+        full = reader._read_trace(path)
+        fast = fastscan.scan_trace(path, reader._CHUNK_CHARS)
+        assert fast.gpu_name, path
+        assert {k: v for k, v in asdict(fast).items() if k != "cpu_rows"} == \
+               {k: v for k, v in asdict(full).items() if k != "cpu_rows"}, path
+        assert fast.rows("enumerate(DataLoader)") == full.rows("enumerate(DataLoader)")
+    assert slow_chunks == []
+
+
+@needs_shared
 def test_cli_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "a.json", tmp_path / "a.png"
     code = main(["analyze", str(SHARED / "hta_trace_filter_2rank"), "--json", str(out_json), "--plot", str(out_png)])
