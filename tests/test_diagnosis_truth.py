@@ -28,7 +28,7 @@ from shardlight.launch.base import without_run_env
 WORKER = REPO / "tests" / "workers" / "bottleneck_train.py"
 STALL_MS = 300.0
 INPUT_MS = 250.0
-WINDOW_COST_MS = 1000.0
+WINDOW_COST_MS = 2000.0
 
 # A short run with one comm window: steps 4..7 recorded (the last dropped, as HTA does), so 3 steps analysed.
 WINDOW = ["trainer.max_steps=14", "callbacks.comm.first_step=3", "callbacks.comm.every_n_steps=1000",
@@ -137,11 +137,13 @@ def test_a_window_that_costs_more_is_measured_and_spaces_the_next(tmp_path):
     starts = values_of(rows, "comm/window_start_step")
     assert starts == [4.0, 40.0, 60.0] and values_of(rows, "comm/cost_window_start_step") == starts
     first, plain, costly = values_of(rows, "comm/window_cost_ms")
-    # The sleep is wall time on every rank's training thread. A window's own cost (tens to a few hundred ms
-    # here) varies from window to window with the machine's load, so the costly window is bounded by the
-    # sleep plus the largest own cost the other two windows showed, within a fifth of the sleep either way.
+    # The sleep is wall time on every rank's training thread. A window's own cost (tens of ms to over a second
+    # here) varies from window to window with the machine's load, and by more on a slower day (own costs of
+    # 424 to 1175 ms in one day's runs, when this machine ran Python 2x slower; a 1000 ms sleep then left too
+    # little room for that spread): the costly window is at least 0.8 of the sleep above the plain one, and at
+    # most the sleep plus 1.5x the largest own cost the other two windows showed plus a fifth of the sleep.
     assert costly - plain >= WINDOW_COST_MS * 0.8, (first, plain, costly)
-    assert costly - WINDOW_COST_MS <= max(first, plain) + WINDOW_COST_MS * 0.2, (first, plain, costly)
+    assert costly - WINDOW_COST_MS <= 1.5 * max(first, plain) + WINDOW_COST_MS * 0.2, (first, plain, costly)
     for start, cost_ms, typical_ms, next_step in zip(starts, values_of(rows, "comm/window_cost_ms"),
                                                       values_of(rows, "comm/typical_step_ms"),
                                                       values_of(rows, "comm/next_window_step")):
