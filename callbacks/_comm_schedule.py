@@ -9,8 +9,10 @@ and the next window waits until that cost is at most ``overhead_budget`` of the 
 window starts:
 
 * cost of a window = the wall time of its steps (from its first step to the gather of its results,
-  inclusive) above ``steps x typical step``, typical = the median of the ``AGREE_AFTER`` steps after the
-  gather (without a budget, of the recent steps before the window), when the ranks agree on it;
+  inclusive) above ``steps x typical step``, typical = the median of the ``AGREE_AFTER`` normal steps
+  before the window and the ``AGREE_AFTER`` after its gather, when the ranks agree on it (both sides, so
+  that a drift of the step time over the run cancels; an early window has only the run's first, slow, steps
+  before it and uses the steps after; without a budget, the recent steps before the window);
 * next start = the first multiple of ``every_n_steps`` after the window that is also at least
   ``cost / (overhead_budget x typical step)`` steps after its start; ``overhead_budget`` null or 0
   keeps the fixed schedule (``shardlight profile`` does: it calibrates on every window).
@@ -63,6 +65,7 @@ class WindowSchedule:
         self._t0: Optional[float] = None  # the first timed step's end
         self._gathered: Optional[Tuple[float, int]] = None  # the open window's wall time and steps
         self.agree_step: Optional[int] = None  # when the open window's cost is agreed
+        self._before: List[float] = []  # the AGREE_AFTER normal steps before the open window (or none)
         self._after: List[float] = []  # the steps since the open window's gather
 
     # --- timing -----------------------------------------------------------------------------------------
@@ -90,12 +93,10 @@ class WindowSchedule:
         """The start of the window being recorded or waiting for its cost to be agreed (None: none)."""
         return self._open
 
-    def typical_step_s(self) -> Optional[float]:
-        return statistics.median(self._recent) if self._recent else None
-
     def window_opened(self, start: int) -> None:
         """A window starts recording at step ``start``: its steps from here on count as its cost."""
         self._open = start
+        self._before = list(self._recent)[-AGREE_AFTER:] if len(self._recent) >= AGREE_AFTER else []
         self._begin = self._last[1] if self._last is not None and self._last[0] == start else None
 
     def window_gathered(self, now: Optional[float] = None) -> None:
@@ -118,9 +119,11 @@ class WindowSchedule:
 
     def local_cost(self) -> Tuple[float, float]:
         """(cost, typical step) of the gathered window on this rank: its wall time above as many typical steps."""
-        # The steps right after the window when there are some (the run's first steps, before an early window,
-        # are slow), else the recent ones.
-        typical = statistics.median(self._after) if len(self._after) >= 3 else (self.typical_step_s() or 0.0)
+        # The normal steps on both sides of the window when there are some after it (the step time drifts by
+        # 10-20% over a run on a loaded host: steps on one side only misjudge every step of the window), else
+        # the recent ones.
+        samples = self._before + self._after if len(self._after) >= 3 else list(self._recent)
+        typical = statistics.median(samples) if samples else 0.0
         if self._gathered is None:
             return 0.0, typical
         wall, steps = self._gathered
@@ -147,7 +150,8 @@ class WindowSchedule:
 
     def close(self, start: int, cost_s: float, typical_s: float) -> None:
         """The window at ``start`` cost ``cost_s`` (agreed): space the next one."""
-        self._open, self._begin, self._gathered, self.agree_step, self._after = None, None, None, None, []
+        self._open, self._begin, self._gathered, self.agree_step = None, None, None, None
+        self._before, self._after = [], []
         self.costs[start] = cost_s
         self.spent_s += cost_s
         self.next_start = start + 1

@@ -277,7 +277,7 @@ def test_window_schedule_spaces_windows_by_their_measured_cost():
     """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps: the schedule measures
     exactly that and spaces the windows so that they cost the budget; without a budget, every every_n_steps."""
 
-    def simulate(budget):
+    def simulate(budget, drift_s=0.0):
         schedule = WindowSchedule(every_n_steps=50, first_step=5, length=3, budget=budget)
         clock, starts = 0.0, []
         for step in range(1, 3000):
@@ -285,7 +285,7 @@ def test_window_schedule_spaces_windows_by_their_measured_cost():
                 starts.append(step - 1)
                 schedule.window_opened(step - 1)
             recording = schedule.open_window is not None and step <= starts[-1] + 3
-            clock += 0.080 + (0.100 if recording else 0.0)
+            clock += 0.080 + drift_s * step + (0.100 if recording else 0.0)
             schedule.step_done(step, clock)
             if schedule.open_window is not None and schedule.agree_step is None and step == starts[-1] + 8:
                 clock += 0.020  # the gather, 5 steps after the window
@@ -301,6 +301,11 @@ def test_window_schedule_spaces_windows_by_their_measured_cost():
     assert schedule.overhead_share(clock) == pytest.approx(0.01, rel=0.1)
     schedule, starts, _ = simulate(None)
     assert starts == [5] + list(range(50, 3000, 50))  # no budget: every 50 steps, as before
+    # Steps that slow down over the run (80 ms to 110 ms, as a loaded host drifts): the typical step is taken on
+    # both sides of each window, so the drift cancels and every window after the early one (which has no normal
+    # steps before it) is measured exactly; steps after the window alone would read each 4.5 steps' drift too low.
+    schedule, starts, _ = simulate(0.01, drift_s=1e-5)
+    assert all(cost == pytest.approx(0.320, abs=1e-9) for start, cost in schedule.costs.items() if start > 5)
 
 
 def test_gc_freeze_takes_the_start_up_heap_out_of_full_collections():

@@ -5,8 +5,9 @@
   STALL_MS more per step than in the same run without the stall; the transfer itself barely changes;
 * a slow input: every batch takes INPUT_MS more to load -> input-bound, input wait about INPUT_MS per step;
 * a costly window: every rank sleeps WINDOW_COST_MS when the second of two alike comm windows stops -> its
-  measured cost (``comm/window_cost_ms``, what spaces the next window under ``overhead_budget``) is that much
-  above the first's, and each next window start follows the budget's rule from the logged cost;
+  measured cost (``comm/window_cost_ms``, what spaces the next window under ``overhead_budget``) holds the
+  sleep in full, clearly above the alike window's, and each next window start follows the budget's rule from
+  the logged cost;
 * communication- vs compute-bound by construction: a huge vocabulary with tiny sequences (the root unit's
   all-gathers dwarf the compute) vs the small model with large micro-batches.
 
@@ -137,12 +138,14 @@ def test_a_window_that_costs_more_is_measured_and_spaces_the_next(tmp_path):
     starts = values_of(rows, "comm/window_start_step")
     assert starts == [4.0, 40.0, 60.0] and values_of(rows, "comm/cost_window_start_step") == starts
     first, plain, costly = values_of(rows, "comm/window_cost_ms")
-    # The sleep is wall time on every rank's training thread. A window's own cost (tens of ms to over a second
-    # here) varies from window to window with the machine's load, and by more on a slower day (own costs of
-    # 424 to 1175 ms in one day's runs, when this machine ran Python 2x slower; a 1000 ms sleep then left too
-    # little room for that spread): the costly window is at least 0.8 of the sleep above the plain one, and at
-    # most the sleep plus 1.5x the largest own cost the other two windows showed plus a fifth of the sleep.
-    assert costly - plain >= WINDOW_COST_MS * 0.8, (first, plain, costly)
+    # The sleep is wall time on every rank's training thread, so the costly window's cost is the sleep plus its own
+    # cost. A window's own cost is not a constant: its analysis thread takes the GIL from the training thread
+    # for a whole step in one window and interleaves with three steps in the next (alike windows of one run read
+    # 430 and 760 ms; 424 to 1175 ms on a day this machine ran Python 2x slower). So the sleep must be read in full
+    # (0.9 of it: the typical step's error times the window's 10 steps), clearly above an alike window (by half
+    # the sleep), and at most the sleep plus 1.5x the largest own cost the other two windows showed plus a fifth
+    # of the sleep. Not counting the sleep, or counting it twice, fails.
+    assert costly >= WINDOW_COST_MS * 0.9 and costly - plain >= WINDOW_COST_MS * 0.5, (first, plain, costly)
     assert costly - WINDOW_COST_MS <= 1.5 * max(first, plain) + WINDOW_COST_MS * 0.2, (first, plain, costly)
     for start, cost_ms, typical_ms, next_step in zip(starts, values_of(rows, "comm/window_cost_ms"),
                                                       values_of(rows, "comm/typical_step_ms"),
