@@ -287,6 +287,8 @@ def main(argv=None) -> int:
         if overheads["first"]:
             result[f"{prefix}first_window_overhead_ms"] = round(1e3 * statistics.median(overheads["first"]), 1)
     for arm, work in bench.work.items():  # median seconds of a window's background work
+        if not work:
+            continue  # no window ran in this arm (overrides that start none)
         result[f"{arm}_window_work_ms"] = {key[:-2] + "_ms": round(1e3 * statistics.median(w[key] for w in work), 1)
                                            for key in work[0] if all(w[key] is not None for w in work)}
     measured = [w for w in bench.windows if w > WARMUP]

@@ -303,7 +303,7 @@ def test_window_schedule_spaces_windows_by_their_measured_cost():
     assert starts == [5] + list(range(50, 3000, 50))  # no budget: every 50 steps, as before
     # Steps that slow down over the run (80 ms to 110 ms, as a loaded host drifts): the typical step is taken on
     # both sides of each window, so the drift cancels and every window after the early one (which has no normal
-    # steps before it) is measured exactly; steps after the window alone would read each 4.5 steps' drift too low.
+    # steps before it) is measured exactly; the steps after the window alone read the typical step too high.
     schedule, starts, _ = simulate(0.01, drift_s=1e-5)
     assert all(cost == pytest.approx(0.320, abs=1e-9) for start, cost in schedule.costs.items() if start > 5)
 
