@@ -210,8 +210,9 @@ class Bench:
         self.args, self.tmp, self.count = args, tmp, 0
         comm = load_recipe(None, [f"trainer.max_steps={args.steps}", *args.overrides]).callbacks.comm
         self.comm = comm
-        self.length = comm.wait + comm.warmup + comm.active
-        self.delay = CommTimeCallback(tmp).gather_delay
+        callback = CommTimeCallback(tmp, wait=comm.wait, warmup=comm.warmup, active=comm.active)
+        self.length = callback.full_steps  # the steps a window runs under the profiler (the last active only begun)
+        self.delay = callback.gather_delay
         self.windows: list = []  # the windows of the last run with windows (from its metrics.csv)
         # arm -> {"periodic": [window costs], "first": [...], "mean_step_s": [per run]} of the runs with windows
         self.overheads: dict = {}

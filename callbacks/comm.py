@@ -3,7 +3,8 @@
 ``Config`` is the recipe's ``callbacks.comm`` section; ``build(config, ctx, shared)`` makes the callback.
 
 Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
-``torch.profiler`` window (schedule wait/warmup/active) and analyses it from the profiler's memory with the
+``torch.profiler`` window (schedule wait/warmup/active; the last active step, which the analysis drops as HTA
+does, is only begun: the profiler stops as it starts) and analyses it from the profiler's memory with the
 trace analyzer (:mod:`shardlight.trace.live`: the same analysis as ``shardlight analyze`` of the window's
 trace file, without writing and parsing one): NCCL kernels on GPU, gloo work on CPU. It then writes the
 window's trace to ``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` for offline use (``save_traces``).
@@ -116,7 +117,8 @@ class Config:
     active: int = field(
         default=2,
         metadata={"positive": True,
-                  "help": "Profiler schedule: recorded steps (the last is dropped in analysis, as HTA)."},
+                  "help": "Profiler schedule: recorded steps; the last is dropped in analysis, as HTA drops it, "
+                          "so the profiler stops as it begins (not recorded in full)."},
     )
     per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
     keep_windows: Optional[int] = field(
@@ -149,7 +151,8 @@ class CommTimeCallback(Callback):
         first_step: the early window's first step (None or 0: none).
         overhead_budget: the largest share of training time the windows may cost (None or 0: no budget):
             each window's measured cost spaces the next (:mod:`shardlight.callbacks._comm_schedule`).
-        wait, warmup, active: ``torch.profiler.schedule`` of a window (``active`` steps are recorded).
+        wait, warmup, active: ``torch.profiler.schedule`` of a window (``active`` steps are recorded, the last
+            only begun: the analysis drops it).
         per_rank: also log ``comm/rank<R>/...`` keys.
         keep_windows: keep the traces of the last this-many windows (None: all).
         table: where the latest per-rank values go for the end-of-run table.
@@ -177,6 +180,8 @@ class CommTimeCallback(Callback):
         self.first_step = first_step or None
         self.wait, self.warmup, self.active = wait, warmup, active
         self.length = wait + warmup + active
+        # Steps run under the profiler in full: the last active step only begins (see on_train_batch_end).
+        self.full_steps = max(1, self.length - 1)
         self.schedule = WindowSchedule(every_n_steps, self.first_step, self.length, overhead_budget)
         self.per_rank = per_rank
         self.keep_windows = keep_windows
@@ -227,7 +232,7 @@ class CommTimeCallback(Callback):
             return
         if self._pending is not None:
             self._collect(trainer)
-        window: Dict[str, Any] = {"start": step, "end": step + self.length, "prof": None, "error": None,
+        window: Dict[str, Any] = {"start": step, "end": step + self.full_steps, "prof": None, "error": None,
                                   "file": None, "seconds": {}}
         self._window = window
         self.schedule.window_opened(step)
@@ -277,9 +282,16 @@ class CommTimeCallback(Callback):
             try:
                 now = time.perf_counter()
                 window["seconds"][prof.step_num] = now - window["t"]
-                if trainer.global_step >= window["end"] and prof.current_action.name != "RECORD_AND_SAVE":
+                last = trainer.global_step >= window["end"]
+                if last and trainer.strategy.root_device.type == "cuda":
+                    # The analysed steps' kernels end inside them: the profiler stops before the next step runs.
+                    torch.cuda.synchronize(trainer.strategy.root_device)
+                prof.step()
+                # The last active step is one the analysis drops (HTA's rule: a trace's last step may be
+                # incomplete): _finish stops the profiler as it begins, instead of recording it in full, which
+                # cost as much again as the analysed step (its ops recorded, then processed at the stop).
+                if last and not window.get("recorded") and prof.current_action.name != "RECORD_AND_SAVE":
                     raise RuntimeError(f"schedule out of step ({prof.current_action.name})")
-                prof.step()  # the last active step's step() stops recording
                 window["t"] = time.perf_counter()
             except Exception as exc:  # noqa: BLE001
                 self._fail(window, "step/export", exc)

@@ -261,11 +261,22 @@ def test_callback_window_is_analysed_live_and_its_trace_written_after(one_rank_g
     callback = CommTimeCallback(tmp_path, every_n_steps=50, first_step=2, warmup=1, active=3, gather_delay=1,
                                 print_windows=False)
     rows = _comm_rows(_drive(callback))
-    assert [step for step, _ in rows] == [6]  # the window 2..6, logged at its end step
+    # the window's steps 2..5 (warm-up, two analysed), logged at its end step; the last active step only begun
+    assert [step for step, _ in rows] == [5]
     metrics = rows[0][1]
     assert metrics["comm/all_reduce_ms"] > 0 and metrics["comm/compute_ms"] > 0
     trace = tmp_path / "traces" / "step_000002" / "rank0.pt.trace.json"
     assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]
+    # The trace holds the active steps, the last (dropped by the analysis) stopped as it began: no work in it.
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sorted((e for e in events if e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    assert [e["name"] for e in steps] == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    stub = steps[-1]
+    in_stub = [e["name"] for e in events if e.get("ph") == "X" and e is not stub
+               and stub["ts"] <= e["ts"] <= stub["ts"] + stub["dur"]]
+    assert not [name for name in in_stub if "all_reduce" in name or name.startswith("aten::")], in_stub
+    assert [e["name"] for e in events if e.get("ph") == "X" and "all_reduce" in e["name"]
+            and steps[1]["ts"] <= e["ts"] <= steps[1]["ts"] + steps[1]["dur"]]  # the analysed steps hold work
     # the file written after the live analysis holds the same window: its offline analysis is the live one
     offline = combine({"0": analyze_trace_file(trace, payload=True)})
     assert _plain(offline) == _plain(callback.findings.analysis)
@@ -278,6 +289,6 @@ def test_callback_without_saved_traces_writes_no_file(one_rank_group, tmp_path):
     callback = CommTimeCallback(tmp_path, every_n_steps=50, first_step=2, warmup=1, active=3, gather_delay=1,
                                 print_windows=False, save_traces=False)
     rows = _comm_rows(_drive(callback))
-    assert [step for step, _ in rows] == [6] and rows[0][1]["comm/all_reduce_ms"] > 0
+    assert [step for step, _ in rows] == [5] and rows[0][1]["comm/all_reduce_ms"] > 0
     assert not (tmp_path / "traces").exists()
     assert callback.findings.analysis["ranks"]["0"]["mode"] == "gloo"
