@@ -129,8 +129,8 @@ class Config:
     record_shapes: bool = field(
         default=False,
         metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU), at "
-                          "about 10x a window's cost (0.5 s against 30 ms on the default recipe's 2 CPU ranks); "
-                          "NCCL kernels carry their sizes without it."},
+                          "several times a window's cost (0.5-0.8 s against tens to hundreds of ms on the default "
+                          "recipe's 2 CPU ranks); NCCL kernels carry their sizes without it."},
     )
     print_windows: bool = field(
         default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
