@@ -314,8 +314,13 @@ def test_gloo_stall_is_wait_on_the_early_rank(gloo_run):
         split = result["split"]
         assert split["wait_us"] + split["transfer_us"] == pytest.approx(result["comm_us"], abs=1)
         assert split["wall_us"] >= REPS * stall_us  # every step holds one stall
-    # One host, one clock: gloo's work annotations end within a few hundred us of each other here.
-    assert abs(analysis["summary"]["clock"]["offsets_us"]["1"]) < 2000
+    # One host, one clock, so the true offset is 0; but the estimate is the median over the matched
+    # collectives of where each rank's gloo work ends, and gloo's ends scatter by milliseconds step by step
+    # (measured here: -1.7 to +2.3 ms on a quiet host, -6.6 to +8.9 ms with 3 busy processes on the 2 cores;
+    # medians of 10 from -1.1 to +2.6 ms, and 2.5 ms in a CI run). What the bound catches is a stall taken
+    # for clock skew: rank 1 issues every all_gather 200 ms late, so an estimate from the starts, or one
+    # thrown by the stall, is far outside it.
+    assert abs(analysis["summary"]["clock"]["offsets_us"]["1"]) < 0.05 * stall_us
 
 
 # --- real NCCL traces ---------------------------------------------------------------------------
