@@ -115,8 +115,8 @@ def import_costs(top: int = 8) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
-    parser.add_argument("--max-pairs", type=int, default=32)
-    parser.add_argument("--budget-s", type=float, default=720.0, help="stop adding pairs after this long")
+    parser.add_argument("--max-pairs", type=int, default=64)
+    parser.add_argument("--budget-s", type=float, default=1500.0, help="stop adding pairs after this long")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the first 5 are warm-up)")
     args = parser.parse_args(argv)
     counter = [0]
