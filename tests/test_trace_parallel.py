@@ -9,8 +9,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -128,19 +130,54 @@ def test_workers_really_are_other_processes(tmp_path, monkeypatch):
         return record
 
     monkeypatch.setattr(reader, "read_trace", read_and_say_where)
+    # Two workers: this process reads a share, and one forked child the rest.
     pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files, workers=2).values()}
-    assert str(os.getpid()) not in pids and pids
-    # Small files on their own stay in this process (a pool would cost more than it saves)...
+    assert str(os.getpid()) in pids and len(pids) == 2
+    # Small files on their own stay in this process (a fork would cost more than it saves)...
     monkeypatch.setattr(parallel, "_idle_cpus", lambda: 2)
     pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
     assert pids == {str(os.getpid())}
-    # ...enough bytes in all go to workers, unless the CPUs are busy (the load average says).
+    # ...enough bytes in all are shared with a child, unless the CPUs are busy (the run queue says).
     monkeypatch.setattr(parallel, "_PARALLEL_MIN_BYTES", 0)
     pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
-    assert str(os.getpid()) not in pids
+    assert len(pids) == 2
     monkeypatch.setattr(parallel, "_idle_cpus", lambda: 1)
     pids = {r.path.rsplit("@", 1)[1] for r in parallel.read_traces(files).values()}
     assert pids == {str(os.getpid())}
+
+
+def test_a_child_that_dies_is_read_here_and_a_failure_here_leaves_no_child(tmp_path, monkeypatch):
+    run = _write_run(tmp_path / "run")
+    files = sorted(p for p in run.iterdir() if p.name.startswith("rank"))
+    serial = {path: asdict(record) for path, record in parallel.read_traces(files, workers=1).items()}
+    here, real = os.getpid(), parallel._run_task
+
+    def killed_in_a_child(task):
+        if os.getpid() != here:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return real(task)
+
+    monkeypatch.setattr(parallel, "_run_task", killed_in_a_child)
+    assert {path: asdict(record) for path, record in parallel.read_traces(files, workers=2).items()} == serial
+
+    def fails_here(task):
+        if os.getpid() == here:
+            raise KeyboardInterrupt
+        time.sleep(30)  # a child still at work when this process stops
+        return real(task)
+
+    monkeypatch.setattr(parallel, "_run_task", fails_here)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        parallel.read_traces(files, workers=2)
+    assert time.monotonic() - started < 10  # the child was killed, not waited for
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # and reaped: no child left
+
+
+def test_shares_put_the_costliest_task_on_the_least_loaded_process():
+    assert parallel._shares([5.0, 1.0, 1.0, 1.0, 4.0], 2) == [[0, 2], [1, 3, 4]]
+    assert parallel._shares([1.0, 1.0], 4) == [[0], [1]]  # no process without a task
 
 
 def test_worker_count_explicit_or_from_the_bytes_and_idle_cpus(tmp_path, monkeypatch):

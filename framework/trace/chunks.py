@@ -29,6 +29,7 @@ import platform
 import re
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -128,7 +129,11 @@ def _step_marks(data: np.ndarray) -> np.ndarray:
 class Chunks:
     """Decompressed chunks of a file, each with the facts above; see ``next``."""
 
-    def __init__(self, path: Path, chunk_bytes: int):
+    def __init__(self, path: Path, chunk_bytes: int, checks_float: Callable[[int], bool] | None = None):
+        """``checks_float``: whether to look for a float timestamp in the chunk at a file offset (None: in
+        every chunk). A part of a scan in parts (:func:`.fastscan.scan_part`) looks in its share of the
+        chunks; the parts' answers together are the file's."""
+        self._checks_float = checks_float
         self._handle = open(path, "rb")
         self._gzip = self._handle.read(2) == b"\x1f\x8b"
         self._handle.seek(0)
@@ -183,7 +188,7 @@ class Chunks:
             self._utf8.decode(data)
         joined = self._context + data
         view = np.frombuffer(joined, dtype=np.uint8)
-        if not self.float_ts:
+        if not self.float_ts and (self._checks_float is None or self._checks_float(self._offset)):
             found = _float_ts(view)
             self.float_ts = _FLOAT_TS.search(joined) is not None if found is None else found
         ends = (_array_ends(view) + (self._offset - _CONTEXT)).tolist()

@@ -59,17 +59,23 @@ class FastPathMiss(Exception):
 _WS = re.compile(rb"[ \t\n\r]*")
 _WS_BYTES = b" \t\n\r"
 _DECODER = json.JSONDecoder()
-_NUM = rb"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"
-# From the category to just past the ids, in Kineto's key order and spacing (json.dumps' too).
-# Groups: the GPU row's category (empty for a launch call), name, ts, dur, correlation. A name is
-# read up to the first quote: at an escaped quote what follows cannot match, so the counts
-# disagree; other escapes are decoded with json. Before the ids, args are skipped token by token
-# (strings may hold braces, as in "{lambda()#1}"), and no brace may occur outside a string, so
-# every key read belongs to the same event.
-_ROWS = re.compile(rb'"cat": "(?:(kernel|gpu_memcpy|gpu_memset|cuda_sync)|cuda_runtime|cuda_driver)'
-                   rb'", "name": "([^"]*)",\s*"pid":[^,{}]*,\s*"tid":[^,{}]*,\s*"ts":\s*(%s),\s*"dur":\s*(%s),'
-                   rb'\s*"args":\s*\{[^{}"]*(?:"[^"\\]*(?:\\.[^"\\]*)*"[^{}"]*)*?'
-                   rb'(?(1)"stream":\s*\d+,\s*)"correlation":\s*(\d+)[,}\s]' % (_NUM, _NUM))
+_NUM = rb"-?+\d++(?:\.\d++)?+(?:[eE][+-]?+\d++)?+"
+# From the end of the phase to just past the ids, in Kineto's key order and spacing (json.dumps'
+# too): GPU rows and launch calls are complete events, ``"ph": "X", "cat": ...``. Groups: the GPU
+# row's category (empty for a launch call), name, ts, dur, correlation. A name is read up to the
+# first quote: at an escaped quote what follows cannot match, so the counts disagree; other escapes
+# are decoded with json. Before the ids, args are skipped token by token (strings may hold braces,
+# as in "{lambda()#1}"), and no brace may occur outside a string, so every key read belongs to the
+# same event.
+# Speed (2 cores, the shared traces, 512 KiB chunks): re searches for a literal prefix one byte
+# at a time for its first byte, so the prefix starts at the rare "X" rather than at '"', the
+# commonest byte of JSON (0.45 against 0.81 ns a byte for the search alone); the possessive
+# quantifiers (*+) keep no backtracking points the match cannot use. With both, the pass takes
+# 2.0 ns a byte against 2.7, and finds the same rows.
+_ROWS = re.compile(rb'X", "cat": "(?:(kernel|gpu_memcpy|gpu_memset|cuda_sync)|cuda_runtime|cuda_driver)'
+                   rb'", "name": "([^"]*+)",\s*+"pid":[^,{}]*+,\s*+"tid":[^,{}]*+,\s*+"ts":\s*+(%s),\s*+"dur":\s*+(%s),'
+                   rb'\s*+"args":\s*+\{[^{}"]*+(?:"[^"\\]*+(?:\\.[^"\\]*+)*+"[^{}"]*+)*?'
+                   rb'(?(1)"stream":\s*+\d++,\s*+)"correlation":\s*+(\d++)[,}\s]' % (_NUM, _NUM))
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _STEP = b"ProfilerStep"
 _INPUT = INPUT_PREFIX.encode()
@@ -176,7 +182,8 @@ def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
     Every part reads the whole file and cuts it into the same runs of events (the cuts depend on
     the bytes alone); a run belongs to the part that owns the block its first event starts in,
     blocks going round the parts in turn (so each gets its share of the dense stretches), and
-    every event is read by exactly one part. Returns the file's record without events (rank,
+    every event is read by exactly one part. A part looks for float timestamps only in the chunks
+    that start in its blocks (any of them makes the file's float). Returns the file's record without events (rank,
     process groups, float timestamps) and, per block with runs of this part, (block, their record).
     """
     segments: list[tuple[int, TraceRecord]] = []
@@ -223,7 +230,8 @@ def merge_parts(parts: list[Part]) -> TraceRecord:
 def _scan(path: Path, chunk_chars: int, part) -> TraceRecord:
     record = TraceRecord(path=str(path), rank=0)
     try:
-        chunks = Chunks(path, chunk_chars // 2)  # see Chunks.__init__ on the size
+        checks_float = None if part is None else (lambda offset: offset // PART_BLOCK % part[1] == part[0])
+        chunks = Chunks(path, chunk_chars // 2, checks_float)  # see Chunks.__init__ on the size
     except OSError:
         raise FastPathMiss("cannot open") from None
     try:

@@ -4,13 +4,12 @@ errors included (the same one-line ShardlightError)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import pickle
+import signal
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from shardlight.errors import ShardlightError
@@ -23,12 +22,15 @@ __all__ = ["read_traces"]
 # Decoding in worker processes (read_traces), measured on 2 idle cores (ABBA, wall time): two
 # workers took 1.25x the serial time for 2 files of 3.4 MB in all, 0.99x for 8 files (7.3 MB),
 # 0.72x for 2 files (20 MB) and 0.59x for 2 files (51 MB); with another process busy they lost
-# at every size (1.13-1.69x), hence the idle-CPU check (_idle_cpus).
-_PARALLEL_MIN_BYTES = 12 << 20  # decompressed bytes of all the files together
+# at every size (1.13-1.69x), hence the idle-CPU check (_idle_cpus). That was with a process pool
+# (two children, this process waiting); with this process reading a share itself and one forked
+# child (_run_shared), thresholds of 4 MB instead of 12 MB took a whole analysis (``analyze_traces``
+# of a set, medians of 6 interleaved runs) from 64 to 55 ms for 8 files of 7.3 MB, 67 to 61 ms for
+# one file of 9.8 MB, 76 to 66 ms for one of 16 MB; 2 MB gained nothing more (3.4 MB: 33 ms both).
+_PARALLEL_MIN_BYTES = 4 << 20  # decompressed bytes of all the files together
 # A file is scanned in parts of at least this many decompressed bytes. Each part inflates the
-# whole file (a quarter of a scan's time) and scans its share of it: two parts took 0.76x of one
-# scan for 54 MB, 0.87x for 26 MB, 0.95x for 17 MB (idle cores, wall time).
-_SPLIT_MIN_BYTES = 12 << 20
+# whole file and cuts it into runs of events (a quarter of a scan's time) and scans its share.
+_SPLIT_MIN_BYTES = 4 << 20
 # ...into at most this many parts: n parts take (0.27 + 0.73 / n) of a scan each, so more
 # parts gain little (4: 2.2x faster for 1.8x the CPU; 8: 2.7x for 2.9x).
 _MAX_PARTS = 4
@@ -42,24 +44,74 @@ def read_traces(paths: list[Path], workers: int | None = None) -> dict[Path, Tra
     ``workers``: None decides: up to one process per idle CPU (``make -l``-like, see
     ``_idle_cpus``) when there are at least ``_PARALLEL_MIN_BYTES``
     decompressed bytes in all, else a read here (``shardlight analyze --workers N`` sets the number).
-    1 reads here; n > 1 uses up to n processes whatever the size and load. Fewer files
-    than workers: a large file's fast scan is cut into parts (:func:`.fastscan.merge_parts`).
-    Workers are forked (:func:`_can_fork`); elsewhere the files are read here. The results are the same either way.
+    1 reads here; n > 1 uses up to n processes, this one included, whatever the size and load. Fewer
+    files than workers: a large file's fast scan is cut into parts (:func:`.fastscan.merge_parts`).
+    The other workers are forked (:func:`_can_fork`); elsewhere the files are read here. The results
+    are the same either way.
     """
     paths = list(dict.fromkeys(paths))
     sizes = {path: _decoded_size(path) for path in paths}
     count = _worker_count(sizes, workers)
     tasks = _plan(sizes, count) if count > 1 else []
     if len(tasks) > 1:
-        try:
-            context = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(max_workers=min(count, len(tasks)), mp_context=context) as pool:
-                results = list(pool.map(_run_task, tasks))
-        except BrokenProcessPool:
-            pass  # a worker died (killed, out of memory): read here, where the error shows
-        else:
+        costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
+        results = _run_shared(tasks, _shares(costs, min(count, len(tasks))))
+        if results is not None:
             return _assemble(paths, tasks, results)
     return {path: _read_or_error(path) for path in paths}
+
+
+def _shares(costs: list[float], count: int) -> list[list[int]]:
+    """Task indices per process (this one first): the costliest task goes to the least loaded process."""
+    shares: list[list[int]] = [[] for _ in range(count)]
+    loads = [0.0] * count
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        least = loads.index(min(loads))
+        shares[least].append(index)
+        loads[least] += costs[index]
+    return [sorted(share) for share in shares if share]
+
+
+def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
+    """Each share's tasks run in its own process -- the first here, the others in forked children that
+    send their results back pickled through a pipe -- so none sits idle waiting; None if a child died
+    (killed, out of memory): the caller reads here, where the error shows."""
+    children = []
+    try:
+        for share in shares[1:]:
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: its results, then out at once (no interpreter teardown)
+                status = 1
+                try:
+                    os.close(read_end)
+                    with os.fdopen(write_end, "wb") as pipe:
+                        pipe.write(pickle.dumps([_run_task(tasks[index]) for index in share]))
+                    status = 0
+                finally:
+                    os._exit(status)
+            os.close(write_end)
+            children.append((pid, read_end, share))
+        results: list = [None] * len(tasks)
+        for index in shares[0]:
+            results[index] = _run_task(tasks[index])
+        complete = True
+        while children:
+            pid, read_end, share = children.pop(0)
+            with os.fdopen(read_end, "rb") as pipe:
+                data = pipe.read()
+            _, status = os.waitpid(pid, 0)
+            if status != 0 or not data:
+                complete = False
+                continue
+            for index, result in zip(share, pickle.loads(data)):
+                results[index] = result
+        return results if complete else None
+    finally:
+        for pid, read_end, _ in children:  # this process failed (or was interrupted) first
+            os.close(read_end)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _read_or_error(path: Path) -> TraceRecord | ShardlightError:
@@ -141,9 +193,11 @@ def _worker_count(sizes: dict[Path, int], workers: int | None) -> int:
 def _idle_cpus() -> int:
     """CPUs this process may use (affinity, and a cgroup v2 quota) that no other task runs on now.
 
-    "Now" is the kernel's count of runnable tasks (/proc/loadavg, this process included; the
-    least of 3 looks 1 ms apart), not the 1-minute load average, which still counts a process
-    that ended seconds ago. Where there is no such count, the load average stands in.
+    "Now" is the kernel's count of runnable tasks (/proc/loadavg; the least of 3 looks 1 ms
+    apart), not the 1-minute load average, which still counts a process that ended seconds ago.
+    Where there is no such count, the load average stands in. This process's own running threads
+    are not others: just after ``import numpy`` OpenBLAS's threads spin for some tens of ms, and
+    counted as others they made the read of the first (and largest) trace set serial in most runs.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
@@ -157,7 +211,8 @@ def _idle_cpus() -> int:
         for look in range(3):
             if look:
                 time.sleep(0.001)
-            looks.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            looks.append(running - _own_running_threads())
         busy = float(min(looks))
     except (OSError, ValueError, IndexError):
         try:
@@ -165,6 +220,17 @@ def _idle_cpus() -> int:
         except OSError:
             busy = 0.0
     return max(1, min(cpus, int(cpus - busy + 0.5)))
+
+
+def _own_running_threads() -> int:
+    """This process's threads the kernel counts as running now (itself at least: it is reading)."""
+    running = 0
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            running += stat.read_text().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            pass
+    return max(running, 1)
 
 
 def _decoded_size(path: Path) -> int:
