@@ -190,6 +190,51 @@ def test_worker_count_explicit_or_from_the_bytes_and_idle_cpus(tmp_path, monkeyp
     assert parallel._worker_count(files, None) == 3
 
 
+def test_idle_cpus_do_not_count_this_processs_own_running_threads(monkeypatch):
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(parallel.Path, "read_text", _no_cgroup_quota(parallel.Path.read_text))
+    monkeypatch.setattr(parallel.time, "sleep", lambda seconds: None)
+    looks = []
+    monkeypatch.setattr(parallel, "_own_running_threads", lambda: 2)  # this thread and a spinning BLAS thread
+    monkeypatch.setattr(parallel, "_running_tasks", lambda: looks.append(1) or 2)
+    assert parallel._idle_cpus() == 2 and len(looks) == 1  # no other task: the first look says so
+    looks.clear()
+    monkeypatch.setattr(parallel, "_running_tasks", lambda: looks.append(1) or 3)
+    assert parallel._idle_cpus() == 1 and len(looks) == parallel._LOOKS  # another busy task, in every look
+    seen = iter([3, 3, 2, 3])
+    monkeypatch.setattr(parallel, "_running_tasks", lambda: next(seen))
+    assert parallel._idle_cpus() == 2  # a task that woke for a moment is not busy
+
+
+def _no_cgroup_quota(read_text):
+    def read(path, *args, **kwargs):
+        if str(path) == "/sys/fs/cgroup/cpu.max":
+            return "max 100000\n"
+        return read_text(path, *args, **kwargs)
+    return read
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="thread states are read from Linux's /proc")
+def test_own_running_threads_counts_a_thread_at_work_outside_the_gil():
+    import hashlib
+    import threading
+
+    data, stop = b"x" * (64 << 20), threading.Event()
+
+    def hash_until_stopped():  # hashlib lets go of the GIL over large inputs: this thread stays runnable
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    alone = min(parallel._own_running_threads() for _ in range(20))  # this thread (others of pytest's sleep)
+    thread = threading.Thread(target=hash_until_stopped)
+    thread.start()
+    try:
+        assert max(parallel._own_running_threads() for _ in range(200)) >= alone + 1
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_a_threaded_process_reads_here(tmp_path, monkeypatch):
     import threading
 

@@ -12,6 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows, where nothing is forked (_can_fork)
+    fcntl = None
+
 from shardlight.errors import ShardlightError
 from shardlight.trace import reader
 from shardlight.trace.fastscan import FastPathMiss, Part, merge_parts, scan_part
@@ -34,6 +39,8 @@ _SPLIT_MIN_BYTES = 4 << 20
 # ...into at most this many parts: n parts take (0.27 + 0.73 / n) of a scan each, so more
 # parts gain little (4: 2.2x faster for 1.8x the CPU; 8: 2.7x for 2.9x).
 _MAX_PARTS = 4
+_PIPE_BYTES = 1 << 20
+_LOOKS = 4  # at the run queue (_idle_cpus)
 _Task = tuple[Path, tuple[int, int] | None]  # a file, and which part of how many (None: all of it)
 
 
@@ -80,6 +87,7 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
     try:
         for share in shares[1:]:
             read_end, write_end = os.pipe()
+            _widen(write_end)
             pid = os.fork()
             if pid == 0:  # the child: its results, then out at once (no interpreter teardown)
                 status = 1
@@ -160,6 +168,16 @@ def _assemble(paths: list[Path], tasks: list[_Task], results: list) -> dict[Path
     return out
 
 
+def _widen(pipe: int) -> None:
+    """Let a child write its results (about 0.5 MB for a 51 MB trace's half) without waiting for this
+    process to finish its own share and read: a pipe holds 64 KiB by default (Linux: up to
+    /proc/sys/fs/pipe-max-size, 1 MiB unless raised)."""
+    try:
+        fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (AttributeError, OSError):  # fcntl is None, or has no F_SETPIPE_SZ (not Linux)
+        pass  # another system, or a lower limit: the child waits for the read instead
+
+
 def _plan(sizes: dict[Path, int], count: int) -> list[_Task]:
     """One task per file, or per part of a large file when there are fewer files than workers."""
     if len(sizes) >= count:
@@ -193,11 +211,14 @@ def _worker_count(sizes: dict[Path, int], workers: int | None) -> int:
 def _idle_cpus() -> int:
     """CPUs this process may use (affinity, and a cgroup v2 quota) that no other task runs on now.
 
-    "Now" is the kernel's count of runnable tasks (/proc/loadavg; the least of 3 looks 1 ms
-    apart), not the 1-minute load average, which still counts a process that ended seconds ago.
-    Where there is no such count, the load average stands in. This process's own running threads
-    are not others: just after ``import numpy`` OpenBLAS's threads spin for some tens of ms, and
-    counted as others they made the read of the first (and largest) trace set serial in most runs.
+    "Now" is the kernel's count of runnable tasks (/proc/loadavg), not the 1-minute load average,
+    which still counts a process that ended seconds ago: the least of up to ``_LOOKS`` looks 1 ms
+    apart, stopping at the first that sees no other task. A busy process is runnable in all of them;
+    a task that wakes for a moment is not (right after this process starts, one was seen in every
+    look of three for 2 ms in one run of six). Where there is no such count, the load average
+    stands in. This process's own running threads are not others: just after ``import numpy``
+    OpenBLAS's threads spin for some tens of ms, and counted as others they made the read of the
+    first (and largest) trace set serial in most runs.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
@@ -207,19 +228,26 @@ def _idle_cpus() -> int:
     except (OSError, ValueError):
         pass
     try:
-        looks = []
-        for look in range(3):
+        busy = float("inf")
+        for look in range(_LOOKS):
             if look:
                 time.sleep(0.001)
-            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
-            looks.append(running - _own_running_threads())
-        busy = float(min(looks))
+            own = _own_running_threads()  # before and after: a thread may stop running in between
+            running = _running_tasks()
+            busy = min(busy, running - max(own, _own_running_threads()))
+            if busy <= 0:
+                break
     except (OSError, ValueError, IndexError):
         try:
             busy = os.getloadavg()[0]
         except OSError:
             busy = 0.0
     return max(1, min(cpus, int(cpus - busy + 0.5)))
+
+
+def _running_tasks() -> int:
+    """The kernel's count of runnable tasks (threads) on the machine now, this process's included."""
+    return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
 
 
 def _own_running_threads() -> int:
