@@ -92,9 +92,28 @@ def _walk_left(data: np.ndarray, at: np.ndarray, kind: np.ndarray) -> np.ndarray
     return at
 
 
-def _float_ts(data: np.ndarray) -> bool | None:
-    """Whether a float ``"ts"`` value has its "." in ``data[_CONTEXT:]``; None if the context is too short."""
-    dots = np.flatnonzero(data[_CONTEXT:] == 46) + _CONTEXT
+def _rare_bytes(data: np.ndarray, dots: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the facts start from, found in one pass: the "." (if ``dots``) and "]" in
+    ``data[_CONTEXT:]``, and the "P" that may begin a "ProfilerStep" ending there.
+
+    One mask and one ``flatnonzero`` for all three bytes, not one each: finding the indices is most
+    of the facts' cost (the facts took 0.84 ns a byte of the shared traces with timestamps in ints).
+    """
+    start = _CONTEXT - len(_STEP) + 1
+    body = data[start:]
+    mask = body == 93
+    np.logical_or(mask, body == 80, out=mask)
+    if dots:
+        np.logical_or(mask, body == 46, out=mask)
+    at = np.flatnonzero(mask) + start
+    byte = data[at]
+    inside = at >= _CONTEXT
+    return at[(byte == 46) & inside], at[(byte == 93) & inside], at[byte == 80]
+
+
+def _float_ts(data: np.ndarray, dots: np.ndarray) -> bool | None:
+    """Whether a float ``"ts"`` value has its "." (one of ``dots``) in ``data[_CONTEXT:]``; None if the
+    context is too short."""
     if not dots.size:
         return False
     dots = dots[_DIGIT[data[dots - 1]]]  # "\d+" needs one digit
@@ -107,20 +126,19 @@ def _float_ts(data: np.ndarray) -> bool | None:
     return bool((window == _TS_KEY).all(axis=1).any())
 
 
-def _array_ends(data: np.ndarray) -> np.ndarray:
-    """Indices of each "]" that follows "}" (whitespace aside), or whose walk ran off the start.
+def _array_ends(data: np.ndarray, closing: np.ndarray) -> np.ndarray:
+    """Those of the "]" at ``closing`` that follow "}" (whitespace aside), or whose walk ran off the start.
 
     The "]" stands in for its "}": only whitespace lies between them, so no event boundary does.
     """
-    closing = np.flatnonzero(data[_CONTEXT:] == 93) + _CONTEXT
     at = _walk_left(data, closing - 1, _SPACE)
     return closing[(at < 0) | (data[np.maximum(at, 0)] == 125)]
 
 
-def _step_marks(data: np.ndarray) -> np.ndarray:
-    """Start indices of "ProfilerStep" that end in ``data[_CONTEXT:]`` (the rest were reported)."""
+def _step_marks(data: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Those of the "P" at ``at`` that start a "ProfilerStep" (ending in ``data[_CONTEXT:]``: the rest were
+    reported)."""
     size = len(_STEP)
-    at = np.flatnonzero(data[_CONTEXT - size + 1:] == _STEP[0]) + (_CONTEXT - size + 1)
     at = at[at + size <= data.size]
     at = at[data[at + 1] == _STEP[1]]  # "P" is common in some traces ("Pr" is not): fewer rows below
     return at[(data[at[:, None] + np.arange(size)] == _STEP).all(axis=1)]
@@ -188,11 +206,13 @@ class Chunks:
             self._utf8.decode(data)
         joined = self._context + data
         view = np.frombuffer(joined, dtype=np.uint8)
-        if not self.float_ts and (self._checks_float is None or self._checks_float(self._offset)):
-            found = _float_ts(view)
+        check_float = not self.float_ts and (self._checks_float is None or self._checks_float(self._offset))
+        dots, closing, marks = _rare_bytes(view, check_float)
+        if check_float:
+            found = _float_ts(view, dots)
             self.float_ts = _FLOAT_TS.search(joined) is not None if found is None else found
-        ends = (_array_ends(view) + (self._offset - _CONTEXT)).tolist()
-        steps = (_step_marks(view) + (self._offset - _CONTEXT)).tolist()
+        ends = (_array_ends(view, closing) + (self._offset - _CONTEXT)).tolist()
+        steps = (_step_marks(view, marks) + (self._offset - _CONTEXT)).tolist()
         self._context = joined[-_CONTEXT:]
         self._offset += len(data)
         return data, ends, steps

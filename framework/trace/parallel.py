@@ -31,8 +31,9 @@ __all__ = ["read_traces"]
 # (two children, this process waiting); with this process reading a share itself and one forked
 # child (_run_shared), thresholds of 4 MB instead of 12 MB took a whole analysis (``analyze_traces``
 # of a set, medians of 6 interleaved runs) from 64 to 55 ms for 8 files of 7.3 MB, 67 to 61 ms for
-# one file of 9.8 MB, 76 to 66 ms for one of 16 MB; 2 MB gained nothing more (3.4 MB: 33 ms both).
-_PARALLEL_MIN_BYTES = 4 << 20  # decompressed bytes of all the files together
+# one file of 9.8 MB, 76 to 66 ms for one of 16 MB; with the child's results no longer waiting on a
+# 64 KiB pipe, 2 files of 3.4 MB went from 31 to 28 ms at a threshold of 3 MB (1 MB gained nothing more).
+_PARALLEL_MIN_BYTES = 3 << 20  # decompressed bytes of all the files together
 # A file is scanned in parts of at least this many decompressed bytes. Each part inflates the
 # whole file and cuts it into runs of events (a quarter of a scan's time) and scans its share.
 _SPLIT_MIN_BYTES = 4 << 20

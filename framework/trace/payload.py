@@ -47,23 +47,22 @@ def _instances(record: TraceRecord, events: Events, keys: np.ndarray) -> tuple[d
     default_name, default_ranks, default_size = record.default_group()
     default_key = default_name or DEFAULT_GROUP
     groups: dict[str, Any] = {}
-    columns: dict[str, list] = {name: [] for name in
-                                ("start", "end", "kind", "bytes", "group", "seq", "group_size", "step")}
-    for index in np.flatnonzero(events.kind == COMMUNICATION_CODE).tolist():
-        info = events.info[index] or {}
+    comm = np.flatnonzero(events.kind == COMMUNICATION_CODE)
+    columns: dict[str, list] = {"start": events.ts[comm].tolist(), "end": events.end[comm].tolist()}
+    columns.update((name, []) for name in ("kind", "bytes", "group", "seq", "group_size"))
+    for info, collective in zip(events.info[comm].tolist(), events.collective[comm].tolist()):
+        info = info or {}
         group = info.get("group") or default_key
         ranks = info.get("ranks") or (default_ranks if group == default_key else None)
         if groups.get(group) is None:
             groups[group] = list(ranks) if ranks else None
         size = info.get("bytes", math.nan)
-        columns["start"].append(events.ts[index].item())
-        columns["end"].append(events.end[index].item())
-        columns["kind"].append(info.get("kind") or events.collective[index] or UNKNOWN_COLLECTIVE)
+        columns["kind"].append(info.get("kind") or collective or UNKNOWN_COLLECTIVE)
         columns["bytes"].append(None if size is None or math.isnan(size) else size)
         columns["group"].append(group)
         columns["seq"].append(info.get("seq"))
         columns["group_size"].append(info.get("group_size") or (len(ranks) if ranks else default_size))
-        columns["step"].append(keys[index])
+    columns["step"] = keys[comm].tolist()
     return columns, groups
 
 

@@ -188,8 +188,9 @@ def _timeline(payloads: dict[int, dict], columns: dict[int, dict], cut: dict[int
         cols = columns[rank]
         chosen = cols["step"] == name
 
-        def pairs(starts, ends, shift=shift):
-            return [[round(float(a - shift), 1), round(float(b - shift), 1)] for a, b in zip(starts, ends) if b > a]
+        def pairs(starts, ends, shift=float(shift)):  # Python floats: the same differences, 5x faster
+            starts, ends = (np.asarray(values, dtype=float).tolist() for values in (starts, ends))
+            return [[round(a - shift, 1), round(b - shift, 1)] for a, b in zip(starts, ends) if b > a]
 
         start, end = payload["steps"][name]
         timelines[rank] = {

@@ -65,15 +65,16 @@ class DeviceSource(Source):
     def events(self, record: TraceRecord, rules: TimeRules) -> Events:
         names = record.gpu_name
         ts = np.array(record.gpu_ts)
-        launch_ts = record.launch_ts
-        # A kernel is filtered by its launch call's time, anything else on a stream by its own.
-        launch = np.array([launch_ts.get(correlation, np.nan) if kernel else own for correlation, kernel, own
-                           in zip(record.gpu_correlation, record.gpu_is_kernel, record.gpu_ts)], dtype=float)
+        # A kernel is filtered by its launch call's time (NaN: none recorded; numpy turns get's None
+        # into NaN), anything else on a stream by its own.
+        launch = np.array(list(map(record.launch_ts.get, record.gpu_correlation)), dtype=float)
+        if not all(record.gpu_is_kernel):
+            launch = np.where(np.array(record.gpu_is_kernel, dtype=bool), launch, np.array(record.gpu_ts, dtype=float))
         start, end = rules.array_bounds(ts, np.array(record.gpu_dur))
         launch = rules.round_array(launch)
         # Classify each distinct name once: a trace repeats a few hundred names 10^5 times.
         codes = {name: KIND_CODES[self.kernel_type(name)] for name in set(names)}
-        kind = np.array([codes[name] for name in names], dtype=np.int8)
+        kind = np.array(list(map(codes.__getitem__, names)), dtype=np.int8)
         collective = np.full(len(names), None, dtype=object)
         info = np.full(len(names), None, dtype=object)
         described = record.gpu_args
