@@ -160,6 +160,14 @@ def test_a_child_that_dies_is_read_here_and_a_failure_here_leaves_no_child(tmp_p
     monkeypatch.setattr(parallel, "_run_task", killed_in_a_child)
     assert {path: asdict(record) for path, record in parallel.read_traces(files, workers=2).items()} == serial
 
+    def no_more_processes():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(parallel.os, "fork", no_more_processes)  # as fork fails at a process limit
+    assert {path: asdict(record) for path, record in parallel.read_traces(files, workers=2).items()} == serial
+    monkeypatch.undo()
+    monkeypatch.setattr(parallel, "_can_fork", lambda: True)
+
     def fails_here(task):
         if os.getpid() == here:
             raise KeyboardInterrupt

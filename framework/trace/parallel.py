@@ -82,14 +82,18 @@ def _shares(costs: list[float], count: int) -> list[list[int]]:
 
 def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
     """Each share's tasks run in its own process -- the first here, the others in forked children that
-    send their results back pickled through a pipe -- so none sits idle waiting; None if a child died
-    (killed, out of memory): the caller reads here, where the error shows."""
-    children = []
+    send their results back pickled through a pipe -- so none sits idle waiting; None if a child could
+    not be started or died (killed, out of memory): the caller reads here, where any error shows.
+    However this ends (an interrupt included), no child is left running or unreaped."""
+    children: list[tuple[int, int, list[int]]] = []  # (pid, read end, share) not reaped yet
     try:
         for share in shares[1:]:
-            read_end, write_end = os.pipe()
-            _widen(write_end)
-            pid = os.fork()
+            try:
+                read_end, write_end = os.pipe()
+                _widen(write_end)
+                pid = os.fork()
+            except OSError:  # out of processes or memory: the rest is read here
+                return None
             if pid == 0:  # the child: its results, then out at once (no interpreter teardown)
                 status = 1
                 try:
@@ -106,10 +110,13 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
             results[index] = _run_task(tasks[index])
         complete = True
         while children:
-            pid, read_end, share = children.pop(0)
-            with os.fdopen(read_end, "rb") as pipe:
+            pid, read_end, share = children[0]
+            with os.fdopen(read_end, "rb", closefd=False) as pipe:
                 data = pipe.read()
+            os.close(read_end)
+            children[0] = (pid, -1, share)
             _, status = os.waitpid(pid, 0)
+            children.pop(0)
             if status != 0 or not data:
                 complete = False
                 continue
@@ -117,8 +124,9 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
                 results[index] = result
         return results if complete else None
     finally:
-        for pid, read_end, _ in children:  # this process failed (or was interrupted) first
-            os.close(read_end)
+        for pid, read_end, _ in children:  # this process stopped first (an error or an interrupt)
+            if read_end >= 0:
+                os.close(read_end)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
 
