@@ -23,8 +23,8 @@ arrive) and TRANSFER (after it arrived), with clock offsets between ranks estima
 collectives' ends; bus bandwidth per collective uses nccl-tests' sizes and factors. Input
 time is torch DataLoader's __next__ on the main thread.
 
-Large inputs are decoded in worker processes (several files at once, or a large file in parts)
-when CPUs are idle; --workers sets how many.
+Large inputs are decoded by this process and forked children together (several files at once,
+or a large file in parts) when CPUs are idle; --workers sets how many processes in all.
 """
 
 
@@ -46,8 +46,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--link-peak-gbps", type=float, metavar="GB/s", default=None,
                         help="a link's peak bandwidth (GB/s): report bus bandwidth as a share of it")
     parser.add_argument("--workers", type=int, metavar="N", default=None,
-                        help="processes that decode the trace files (default: from their size and the idle "
-                             "CPUs; 1: none). Same results either way")
+                        help="processes that decode the trace files, this one included (default: from their "
+                             "size and the idle CPUs; 1: this one alone). Same results either way")
     parser.set_defaults(func=run_analyze)
 
 
