@@ -183,8 +183,9 @@ def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
     the bytes alone); a run belongs to the part that owns the block its first event starts in,
     blocks going round the parts in turn (so each gets its share of the dense stretches), and
     every event is read by exactly one part. A part looks for float timestamps only in the chunks
-    that start in its blocks (any of them makes the file's float). Returns the file's record without events (rank,
-    process groups, float timestamps) and, per block with runs of this part, (block, their record).
+    that start in its blocks (any of them makes the file's float). Returns the file's record
+    without events (rank, process groups, float timestamps) and, per block with runs of this part,
+    (block, their record).
     """
     segments: list[tuple[int, TraceRecord]] = []
     header = _scan(path, chunk_chars, (index, parts, segments))
