@@ -269,16 +269,22 @@ def test_a_threaded_process_reads_here(tmp_path, monkeypatch):
         thread.join()
 
 
+def _in_parts(path: Path, parts: int) -> dict:
+    """merge_parts of all ``parts`` parts of the file, as a dict."""
+    return asdict(merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)]))
+
+
 @needs_shared
 @pytest.mark.parametrize("name", [p.name for p in _sets()])
 def test_scan_in_parts_equals_one_scan_on_shared_traces(name, monkeypatch):
     for path in sorted((SHARED / name).iterdir()):
         whole = reader.read_trace(path)
-        for parts, block in ((2, fastscan.PART_BLOCK), (3, 1 << 16)):
+        # Blocks of 2 MiB, and odd ones: 65 kB, and 30 kB (the first ends in the header, before any event).
+        for parts, block in ((2, fastscan.PART_BLOCK), (3, 65_537), (2, 30_011)):
             monkeypatch.setattr(fastscan, "PART_BLOCK", block)
-            merged = merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)])
-            assert asdict(merged) == asdict(whole)
-            assert list(merged.launch_ts) == list(whole.launch_ts)  # the same order, too
+            merged = _in_parts(path, parts)
+            assert merged == asdict(whole)
+            assert list(merged["launch_ts"]) == list(whole.launch_ts)  # the same order, too
 
 
 def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
@@ -286,14 +292,55 @@ def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(fastscan, "PART_BLOCK", 1 << 13)
     monkeypatch.setattr(parallel, "_SPLIT_MIN_BYTES", 1 << 12)
     path = tmp_path / "big.json.gz"
+    trace = _trace(rank=3, world=4, steps=4, kernels=300)
     with gzip.open(path, "wt") as handle:
-        handle.write(json.dumps(_trace(rank=3, world=4, steps=4, kernels=300)))
+        handle.write(json.dumps(trace))
     serial = asdict(reader.read_trace(path))
     assert parallel._plan({path: parallel._decoded_size(path)}, 3) == [(path, (0, 3)), (path, (1, 3)), (path, (2, 3))]
     assert asdict(parallel.read_traces([path], workers=3)[path]) == serial
     for parts in (2, 5):
-        merged = merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)])
-        assert asdict(merged) == serial
+        assert _in_parts(path, parts) == serial
+    # The rank, world and groups from a distributedInfo after the events (the block with the array's
+    # end reads it), and a bare array of events (the blocks agree that nothing follows it).
+    info = trace.pop("distributedInfo")
+    after = tmp_path / "info_after.json"
+    after.write_text(json.dumps({**trace, "distributedInfo": info, "deviceProperties": [{"id": 0}, {"id": 1}]}))
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(trace["traceEvents"]))
+    for other in (after, bare):
+        whole = asdict(reader.read_trace(other))
+        assert whole["rank"] == (3 if other == after else 0)
+        for parts in (2, 3):
+            assert _in_parts(other, parts) == whole
+        assert asdict(parallel.read_traces([other], workers=3)[other]) == whole
+    # A block that would begin inside an event (at a "}, {" in a string, or between objects nested in
+    # args) never gives another record: its scan or the one before it misses (the file is then read
+    # in full), or both read what they cut exactly as one scan would. So does an event as long as blocks.
+    odd = json.loads(json.dumps(trace))
+    odd["traceEvents"].insert(len(trace["traceEvents"]) // 2, {
+        "ph": "X", "cat": "cpu_op", "name": 'f({"a"}, {"b"})', "pid": 0, "tid": 1, "ts": 5, "dur": 1,
+        "args": {"Input dims": [{"x": 1}, {"y": 2}]}})
+    odd_path = tmp_path / "odd_event.json"
+    odd_path.write_text(json.dumps(odd))
+    whole = asdict(reader.read_trace(odd_path))
+    text = odd_path.read_bytes()
+    event = text.index(b'"cat": "cpu_op"')
+    inside = [at for at in range(event, text.index(b"]}}", event)) if text.startswith(b"}, {", at)]
+    assert len(inside) == 2
+    for block in (offset for at in inside for offset in range(at - 2, at + 3)):
+        monkeypatch.setattr(fastscan, "PART_BLOCK", block)
+        try:
+            assert _in_parts(odd_path, 2) == whole
+        except fastscan.FastPathMiss:
+            pass
+        assert asdict(parallel.read_traces([odd_path], workers=2)[odd_path]) == whole
+    long = json.loads(json.dumps(trace))
+    next(event for event in long["traceEvents"][len(trace["traceEvents"]) // 2:] if "args" in event)["args"].update(
+        long="z" * (3 << 13))
+    long_path = tmp_path / "long_event.json"
+    long_path.write_text(json.dumps(long))
+    monkeypatch.setattr(fastscan, "PART_BLOCK", 1 << 13)
+    assert _in_parts(long_path, 3) == asdict(reader.read_trace(long_path))  # blocks in the event: empty
     # Files the fast scan is not sure of are read in full, as they are serially: a separator
     # inside a string, and a CPU trace (no device rows).
     odd = tmp_path / "odd.json"

@@ -152,6 +152,9 @@ class Chunks:
         every chunk). A part of a scan in parts (:func:`.fastscan.scan_part`) looks in its share of the
         chunks; the parts' answers together are the file's."""
         self._checks_float = checks_float
+        # The chunks that end at or before this file offset are only inflated and checked as UTF-8,
+        # with no facts (a part of a scan in parts, on its way to its next block).
+        self.facts_from = 0
         self._handle = open(path, "rb")
         self._gzip = self._handle.read(2) == b"\x1f\x8b"
         self._handle.seek(0)
@@ -204,6 +207,10 @@ class Chunks:
             raise
         if not data.isascii():
             self._utf8.decode(data)
+        if self._offset + len(data) <= self.facts_from:  # on the way to a part's block: only the bytes
+            self._context = (self._context + data[-_CONTEXT:])[-_CONTEXT:]
+            self._offset += len(data)
+            return data, [], []
         joined = self._context + data
         view = np.frombuffer(joined, dtype=np.uint8)
         check_float = not self.float_ts and (self._checks_float is None or self._checks_float(self._offset))

@@ -35,8 +35,9 @@ a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file
 by :mod:`shardlight.trace.reader`, which also words the errors.
 
 A large file can be scanned by several processes at once (:func:`scan_part`, :func:`merge_parts`):
-each inflates the whole file -- the chunks, and so the cuts into runs of events, are the same in
-each -- and scans the runs that start in its blocks; the merged record equals ``scan_trace``'s.
+each scans the events of every n-th block of the file, from the first event start at or after the
+block's start to the first at or after the next block's, and between its blocks only inflates the
+bytes; the merged record equals ``scan_trace``'s.
 """
 
 from __future__ import annotations
@@ -45,20 +46,18 @@ import json
 import re
 import sys
 from bisect import bisect_left
-from itertools import repeat
+from dataclasses import dataclass, field
+from itertools import count, repeat
 from pathlib import Path
 
 from shardlight.trace.chunks import INFLATE_ERRORS, Chunks
 from shardlight.trace.records import INPUT_PREFIX, Collector, TraceRecord, as_int, comm_args
+from shardlight.trace.window import FastPathMiss, Window
+
+__all__ = ["Block", "FastPathMiss", "Part", "merge_parts", "scan_part", "scan_trace"]
 
 
-class FastPathMiss(Exception):
-    """The fast pass met something it cannot handle exactly; the file must be read in full."""
-
-
-_WS = re.compile(rb"[ \t\n\r]*")
 _WS_BYTES = b" \t\n\r"
-_DECODER = json.JSONDecoder()
 _NUM = rb"-?+\d++(?:\.\d++)?+(?:[eE][+-]?+\d++)?+"
 # From the end of the phase to just past the ids, in Kineto's key order and spacing (json.dumps'
 # too): GPU rows and launch calls are complete events, ``"ph": "X", "cat": ...``. Groups: the GPU
@@ -85,172 +84,165 @@ _COMM_KEYS = (b'"Collective name"', b'"In msg nelems"')
 _OBJECT_REST = re.compile(rb'(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 
 
-class _Window:
-    """A growable byte window over the chunks, for reading one JSON token or value at a time."""
-
-    def __init__(self, chunks: Chunks):
-        self._chunks = chunks
-        self.buf = b""
-        self.pos = 0
-        self.eof = False
-        self.base = 0  # file offset of buf[0]
-        # File offsets of "]" after "}" and of "ProfilerStep" (see chunks.py), ascending.
-        self._ends: list[int] = []
-        self._first_end = 0
-        self.steps: list[int] = []
-
-    def fill(self) -> bool:
-        item = None if self.eof else self._chunks.next()
-        if item is None:
-            self.eof = True
-            return False
-        data, ends, steps = item
-        self.base += self.pos
-        self.buf = self.buf[self.pos:] + data
-        self.pos = 0
-        self._ends.extend(ends)
-        self.steps.extend(steps)
-        return True
-
-    def array_end(self, start: int) -> int:
-        """Index in buf of the first possible array end at or after buf[start], else len(buf)."""
-        ends = self._ends
-        self._first_end = bisect_left(ends, self.base + start, self._first_end)
-        if self._first_end < len(ends):
-            return min(ends[self._first_end] - self.base, len(self.buf))
-        return len(self.buf)
-
-    def peek(self) -> int:
-        while True:
-            self.pos = _WS.match(self.buf, self.pos).end()
-            if self.pos < len(self.buf):
-                return self.buf[self.pos]
-            if not self.fill():
-                return -1
-
-    def expect(self, chars: bytes) -> int:
-        char = self.peek()
-        if char < 0 or char not in chars:
-            raise FastPathMiss(f"expected {chars!r}")
-        self.pos += 1
-        return char
-
-    def value(self):
-        self.peek()
-        size = 1 << 16
-        while True:
-            buf, pos = self.buf, self.pos
-            raw = buf[pos:pos + size]
-            try:
-                text = raw.decode()
-            except UnicodeDecodeError as exc:
-                if exc.end < len(raw):
-                    raise
-                text = raw[:exc.start].decode()  # the window cut a character; try without it
-            end = pos + len(raw)
-            try:
-                obj, used = _DECODER.raw_decode(text)
-            except json.JSONDecodeError:
-                used = -1
-            # A value that ends at the window edge (a number, say) may go on past it.
-            if used >= 0 and (used < len(text) or (end == len(buf) and self.eof)):
-                self.pos = pos + (used if text.isascii() else len(text[:used].encode()))
-                return obj
-            if end < len(buf):
-                size *= 8
-            elif not self.fill() and used < 0:
-                raise FastPathMiss("invalid JSON value")
-
-
 def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
     """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
-    record = _scan(path, chunk_chars, None)
-    _check(record)
-    return record
+    whole = _scan(path, chunk_chars, 0, 1).blocks[0]
+    _read_infos(whole.record, whole.infos)
+    _check(whole.record)
+    return whole.record
 
 
-# A part (scan_part) owns the events starting in every n-th block of this many decompressed bytes.
+# A part (scan_part) scans every n-th block of this many decompressed bytes.
 PART_BLOCK = 2 << 20
 
 
-Part = tuple[TraceRecord, list[tuple[int, TraceRecord]]]  # what scan_part returns
+@dataclass
+class Block:
+    """The scan of one block's events (all the file's in a scan in one piece)."""
+
+    record: TraceRecord  # its events (rank and process groups not set)
+    begin: int = 0  # file offset of its first event (0: the file's start)
+    end: int | None = None  # file offset of the next block's first event (None: the file's end)
+    infos: list = field(default_factory=list)  # the distributedInfo values it read, in file order
+    # From the file's start: how the top level opens ("{" or "["); to its end: "{" when the events
+    # array is followed by the rest of an object, "[" when by the end of the file.
+    form: str = ""
+
+
+@dataclass
+class Part:
+    """What :func:`scan_part` returns, for :func:`merge_parts`."""
+
+    blocks: list[Block]
+    float_timestamps: bool  # whether the chunks that start in its blocks hold a float timestamp
 
 
 def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
     """Part ``index`` of ``parts`` of scan_trace, for :func:`merge_parts` (FastPathMiss as scan_trace).
 
-    Every part reads the whole file and cuts it into the same runs of events (the cuts depend on
-    the bytes alone); a run belongs to the part that owns the block its first event starts in,
-    blocks going round the parts in turn (so each gets its share of the dense stretches), and
-    every event is read by exactly one part. A part looks for float timestamps only in the chunks
-    that start in its blocks (any of them makes the file's float). Returns the file's record
-    without events (rank, process groups, float timestamps) and, per block with runs of this part,
-    (block, their record).
+    The part scans the events of blocks ``index``, ``index + parts``, ... of :data:`PART_BLOCK`
+    decompressed bytes (so each gets its share of the dense stretches): a block's events run from
+    the first event start at or after its start offset to the first at or after the next block's.
+    Event starts are found from the bytes alone (a "{" after "}" and ","), so the part that ends a
+    block and the one that begins the next find the same one; the first verifies that its scan
+    reaches exactly it. Between its blocks a part only inflates the bytes, and it looks for float
+    timestamps in the chunks that start in its blocks (any of them makes the file's float).
     """
-    segments: list[tuple[int, TraceRecord]] = []
-    header = _scan(path, chunk_chars, (index, parts, segments))
-    return header, segments
+    return _scan(path, chunk_chars, index, parts)
 
 
 def merge_parts(parts: list[Part]) -> TraceRecord:
     """One file's record from all its ``scan_part`` results: equal to its scan_trace record.
 
-    The blocks' records are joined in file order: columns and rows concatenate, and the launch
-    times keep the earliest per id (in first-seen order).
+    The blocks must join from the file's start to its end (each begins where the one before ends,
+    the top level the same at both ends); a block that begins after the last one's start was read by
+    it already (an event start found past the events array) and is left out. Columns and rows
+    concatenate in file order, the launch times keep the earliest per id (in first-seen order), and
+    the distributedInfo values are read in file order.
     """
-    header = parts[0][0]
-    merged = TraceRecord(path=header.path, rank=header.rank, world_size=header.world_size,
-                         process_groups=header.process_groups)
-    merged.float_timestamps = any(head.float_timestamps for head, _ in parts)
+    # In file order; an empty block (an event spanning its whole block) before the one it begins.
+    blocks = sorted((block for part in parts for block in part.blocks),
+                    key=lambda block: (block.begin, float("inf") if block.end is None else block.end))
+    chain: list[Block] = []
+    for block in blocks:
+        if chain and chain[-1].end is None:
+            break  # the rest begin after the last block's start: it read them to the file's end
+        if block.begin != (chain[-1].end if chain else 0):
+            raise FastPathMiss("the parts' blocks do not join")
+        chain.append(block)
+    if not chain or chain[-1].end is not None or chain[0].form != chain[-1].form:
+        raise FastPathMiss("the parts' blocks do not reach the file's end")
+    merged = TraceRecord(path=chain[0].record.path, rank=0)
+    _read_infos(merged, [info for block in chain for info in block.infos])
+    merged.float_timestamps = any(part.float_timestamps for part in parts)
     launch_ts = merged.launch_ts
-    for _, part in sorted((segment for _, segments in parts for segment in segments), key=lambda item: item[0]):
+    for record in (block.record for block in chain):
         offset = len(merged.gpu_name)
-        merged.float_timestamps = merged.float_timestamps or part.float_timestamps
-        merged.gpu_name.extend(part.gpu_name)
-        merged.gpu_ts.extend(part.gpu_ts)
-        merged.gpu_dur.extend(part.gpu_dur)
-        merged.gpu_correlation.extend(part.gpu_correlation)
-        merged.gpu_is_kernel.extend(part.gpu_is_kernel)
-        merged.gpu_args.update((offset + row, args) for row, args in part.gpu_args.items())
-        if launch_ts.keys().isdisjoint(part.launch_ts):
-            launch_ts.update(part.launch_ts)
+        merged.float_timestamps = merged.float_timestamps or record.float_timestamps
+        merged.gpu_name.extend(record.gpu_name)
+        merged.gpu_ts.extend(record.gpu_ts)
+        merged.gpu_dur.extend(record.gpu_dur)
+        merged.gpu_correlation.extend(record.gpu_correlation)
+        merged.gpu_is_kernel.extend(record.gpu_is_kernel)
+        merged.gpu_args.update((offset + row, args) for row, args in record.gpu_args.items())
+        if launch_ts.keys().isdisjoint(record.launch_ts):
+            launch_ts.update(record.launch_ts)
         else:
-            for correlation, ts in part.launch_ts.items():
+            for correlation, ts in record.launch_ts.items():
                 earlier = launch_ts.get(correlation)
                 if earlier is None or ts < earlier:
                     launch_ts[correlation] = ts
-        merged.step_rows.extend(part.step_rows)
-        merged.step_names.update(part.step_names)
-        for prefix, rows in part.cpu_rows.items():
+        merged.step_rows.extend(record.step_rows)
+        merged.step_names.update(record.step_names)
+        for prefix, rows in record.cpu_rows.items():
             merged.cpu_rows.setdefault(prefix, []).extend(rows)
     merged.cpu_rows.setdefault(INPUT_PREFIX, [])
     _check(merged)
     return merged
 
 
-def _scan(path: Path, chunk_chars: int, part) -> TraceRecord:
-    record = TraceRecord(path=str(path), rank=0)
+def _scan(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
+    """Part ``index`` of ``parts`` (0 of 1: the whole file in one block; see scan_part)."""
     try:
-        checks_float = None if part is None else (lambda offset: offset // PART_BLOCK % part[1] == part[0])
+        checks_float = None if parts == 1 else (lambda offset: offset // PART_BLOCK % parts == index)
         chunks = Chunks(path, chunk_chars // 2, checks_float)  # see Chunks.__init__ on the size
     except OSError:
         raise FastPathMiss("cannot open") from None
+    blocks: list[Block] = []
     try:
-        window = _Window(chunks)
-        scanner = _Scanner(record, part)
-        if window.expect(b"{[") == ord("["):
-            scanner.events(window)
-        elif not _top_object(window, scanner, record):
-            raise FastPathMiss("no traceEvents")
-        if window.peek() >= 0:
-            raise FastPathMiss("extra data")
-        record.float_timestamps = record.float_timestamps or chunks.float_ts
+        window = Window(chunks)
+        for number in count(index, parts):
+            begin = window.seek_event(number * PART_BLOCK) if number else 0
+            if begin is None:
+                break  # no event starts after this block's start: the file ended before it
+            blocks.append(_scan_block(window, path, begin, None if parts == 1 else (number + 1) * PART_BLOCK))
+            if blocks[-1].end is None:
+                break
     # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and INFLATE_ERRORS come from reading.
     except (ValueError, RecursionError, OSError, EOFError, *INFLATE_ERRORS) as exc:
         raise FastPathMiss(str(exc)) from None
     finally:
         chunks.close()
-    return record
+    return Part(blocks, chunks.float_ts)
+
+
+def _scan_block(window: Window, path: Path, begin: int, stop: int | None) -> Block:
+    """The events from the window's position, the file's start (``begin`` 0) or an event start, to
+    the first event start at or after ``stop`` (None: the end of the file)."""
+    block = Block(TraceRecord(path=str(path), rank=0), begin)
+    scanner = _Scanner(block.record)
+    window.end_at(stop)
+    if begin:  # in the middle of the events array
+        stopped = scanner.events(window)
+        if not stopped:  # the array ended: the rest of the top level
+            block.form = "{" if window.peek() >= 0 else "["
+            if block.form == "{" and window.expect(b",}") == ord(","):
+                stopped = _members(window, scanner, block.infos)[1]
+    else:
+        block.form = chr(window.expect(b"{["))
+        if block.form == "[":
+            stopped = scanner.events(window)
+        else:
+            saw_events, stopped = (False, False) if window.peek() == ord("}") else _members(
+                window, scanner, block.infos)
+            if not saw_events:
+                raise FastPathMiss("no traceEvents")
+    if stopped:
+        block.end = window.stop
+    elif window.peek() >= 0:
+        raise FastPathMiss("extra data")
+    return block
+
+
+def _read_infos(record: TraceRecord, infos: list) -> None:
+    """World size, process groups and rank from the file's distributedInfo values, in file order."""
+    for value in infos:
+        record.read_distributed_info(value)
+        if isinstance(value, dict) and "rank" in value:
+            rank = as_int(value.get("rank"), default=-1)
+            if rank < 0:
+                raise FastPathMiss("bad rank")
+            record.rank = rank
 
 
 def _check(record: TraceRecord) -> None:
@@ -265,10 +257,10 @@ def _fractional_durations(record: TraceRecord) -> bool:
     return any(type(dur) is float and not dur.is_integer() for dur in durations)
 
 
-def _top_object(window: _Window, scanner: _Scanner, record: TraceRecord) -> bool:
+def _members(window: Window, scanner: _Scanner, infos: list) -> tuple[bool, bool]:
+    """An object's members, from its first key to after its "}": whether one was traceEvents, and
+    whether the scan stopped in its events at the part's end."""
     saw_events = False
-    if window.peek() == ord("}"):
-        return False
     while True:
         key = window.value()
         if not isinstance(key, str):
@@ -276,19 +268,15 @@ def _top_object(window: _Window, scanner: _Scanner, record: TraceRecord) -> bool
         window.expect(b":")
         if key == "traceEvents":
             window.expect(b"[")
-            scanner.events(window)
+            if scanner.events(window):
+                return True, True
             saw_events = True
         else:
             value = window.value()
             if key == "distributedInfo":
-                record.read_distributed_info(value)
-            if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
-                rank = as_int(value.get("rank"), default=-1)
-                if rank < 0:
-                    raise FastPathMiss("bad rank")
-                record.rank = rank
+                infos.append(value)
         if window.expect(b",}") == ord("}"):
-            return saw_events
+            return saw_events, False
 
 
 def _last_event_start(buf: bytes, start: int, limit: int) -> int:
@@ -335,56 +323,39 @@ def _texts(raw: tuple[bytes, ...]) -> list[str]:
 
 
 class _Scanner:
-    def __init__(self, record: TraceRecord, part: tuple[int, int, list] | None = None):
+    def __init__(self, record: TraceRecord):
         self.record = record
         self.collector = Collector(record, cpu_prefixes=(INPUT_PREFIX,))
-        self._part = part
-        self._block = -1
 
-    def _owns(self, offset: int) -> bool:
-        """Whether the run of events starting at file ``offset`` is this part's (see scan_part);
-        the events of each block of a part go to their own record."""
-        if self._part is None:
-            return True
-        index, parts, segments = self._part
-        block = offset // PART_BLOCK
-        if block % parts != index:
-            return False
-        if block != self._block:
-            self._block = block
-            self.record = TraceRecord(path=self.record.path, rank=0)
-            self.collector = Collector(self.record, cpu_prefixes=(INPUT_PREFIX,))
-            segments.append((block, self.record))
-        return True
-
-    def events(self, window: _Window) -> None:
-        """Everything from after traceEvents' "[" to after its "]"."""
+    def events(self, window: Window) -> bool:
+        """Everything from after traceEvents' "[" to after its "]" (False), or up to the event at the
+        window's stop, a part's end (True)."""
         if window.peek() == ord("]"):
             window.pos += 1
-            return
+            return False
         while True:
             # Whole chunks of events while the window holds them...
             while window.peek() == ord("{"):
                 buf, start = window.buf, window.pos
+                if window.stop is not None and window.base + start >= window.stop:
+                    if window.base + start > window.stop:
+                        raise FastPathMiss("the part's end is inside an event")
+                    return True
                 limit = window.array_end(start)
-                cut = _last_event_start(buf, start, limit)
+                stop = -1 if window.stop is None else window.stop - window.base
+                cut = stop if start < stop < limit else _last_event_start(buf, start, limit)
                 if cut > start:
-                    if self._owns(window.base + start):
-                        steps = window.steps
-                        first = bisect_left(steps, window.base + start)
-                        last = bisect_left(steps, window.base + cut, first)
-                        self._scan_region(buf, start, cut, [at - window.base for at in steps[first:last]])
+                    steps = window.steps
+                    first = bisect_left(steps, window.base + start)
+                    last = bisect_left(steps, window.base + cut, first)
+                    self._scan_region(buf, start, cut, [at - window.base for at in steps[first:last]])
                     window.pos = cut
                 elif limit < len(buf) or not window.fill():
                     break
             # ...then one event decoded in full: the last one, or one holding "}]".
-            window.peek()
-            owned = self._owns(window.base + window.pos)
-            event = window.value()
-            if owned:
-                self.collector.add(event)
+            self.collector.add(window.value())
             if window.expect(b",]") == ord("]"):
-                return
+                return False
 
     def _scan_region(self, buf: bytes, start: int, end: int, steps: list[int]) -> None:
         """Events in ``buf[start:end]``: whole events, ``buf[end]`` is the next one's "{".
