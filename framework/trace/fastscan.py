@@ -124,9 +124,10 @@ def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
     decompressed bytes (so each gets its share of the dense stretches): a block's events run from
     the first event start at or after its start offset to the first at or after the next block's.
     Event starts are found from the bytes alone (a "{" after "}" and ","), so the part that ends a
-    block and the one that begins the next find the same one; the first verifies that its scan
-    reaches exactly it. Between its blocks a part only inflates the bytes, and it looks for float
-    timestamps in the chunks that start in its blocks (any of them makes the file's float).
+    block and the one that begins the next find the same one, and the part that ends the block
+    verifies that its scan reaches exactly it. Between its blocks a part only inflates the bytes,
+    and it looks for float timestamps in the chunks that start in its blocks (any of them makes the
+    file's float).
     """
     return _scan(path, chunk_chars, index, parts)
 
@@ -259,7 +260,7 @@ def _fractional_durations(record: TraceRecord) -> bool:
 
 def _members(window: Window, scanner: _Scanner, infos: list) -> tuple[bool, bool]:
     """An object's members, from its first key to after its "}": whether one was traceEvents, and
-    whether the scan stopped in its events at the part's end."""
+    whether the scan stopped in its events at the block's end."""
     saw_events = False
     while True:
         key = window.value()
@@ -329,7 +330,7 @@ class _Scanner:
 
     def events(self, window: Window) -> bool:
         """Everything from after traceEvents' "[" to after its "]" (False), or up to the event at the
-        window's stop, a part's end (True)."""
+        window's stop, the block's end (True)."""
         if window.peek() == ord("]"):
             window.pos += 1
             return False
@@ -339,7 +340,7 @@ class _Scanner:
                 buf, start = window.buf, window.pos
                 if window.stop is not None and window.base + start >= window.stop:
                     if window.base + start > window.stop:
-                        raise FastPathMiss("the part's end is inside an event")
+                        raise FastPathMiss("the block's end is inside an event")
                     return True
                 limit = window.array_end(start)
                 stop = -1 if window.stop is None else window.stop - window.base

@@ -1,6 +1,6 @@
 """A growable byte window over a trace's chunks (:class:`.chunks.Chunks`), for the fast scan
 (:mod:`.fastscan`): read one JSON token or value at a time, find where the events array may end, and,
-for a scan in parts, the event start where a part begins or ends."""
+for a scan in parts, the event start where a block begins or ends."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class FastPathMiss(Exception):
 
 _WS = re.compile(rb"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
-# Where a part of a scan in parts begins: the "{" of the first match at or after its start offset
+# Where a block of a scan in parts begins: the "{" of the first match at or after its start offset
 # (the whitespace of fastscan's _last_event_start, which cuts runs at the same kind of place).
 _EVENT_START = re.compile(rb"\}[ \t\n\r]*+,[ \t\n\r]*+\{")
 
@@ -35,8 +35,8 @@ class Window:
         self._ends: list[int] = []
         self._first_end = 0
         self.steps: list[int] = []
-        # A part's boundary (file offset), and the first event start at or after it once the window
-        # has read that far (_EVENT_START): where the part ends, or, at its beginning, starts.
+        # A block's boundary (file offset), and the first event start at or after it once the window
+        # has read that far (_EVENT_START): where the block ends, or, sought from its start, begins.
         self._boundary: int | None = None
         self.stop: int | None = None
 
