@@ -93,11 +93,52 @@ def test_parallel_load_equals_serial_on_shared_traces(name):
 def test_parallel_analysis_equals_serial_on_shared_traces(monkeypatch):
     sets = [p for p in _sets() if len(list(p.iterdir())) > 1]
     assert sets, "no multi-file set among the shared traces"
-    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "1")
-    serial = [json.dumps(analyze_traces([s]), sort_keys=True) for s in sets]
-    monkeypatch.setenv("SHARDLIGHT_TRACE_WORKERS", "3")
-    parallel = [json.dumps(analyze_traces([s]), sort_keys=True) for s in sets]
+    serial = [json.dumps(analyze_traces([s], workers=1), sort_keys=True) for s in sets]
+    parallel = [json.dumps(analyze_traces([s], workers=3), sort_keys=True) for s in sets]
     assert parallel == serial
+
+
+def test_workers_analyse_the_ranks_they_read_unless_the_set_decides_the_step_filter_otherwise(tmp_path, monkeypatch):
+    """Each worker analyses the ranks it reads, and the result equals one process's. HTA drops the last step by the
+    step names of all ranks together; a rank whose own names decide otherwise is analysed again here."""
+    from shardlight.trace import analysis
+
+    log = tmp_path / "analysed.txt"
+    real = analysis._analyze
+
+    def logged(record, *args, **kwargs):
+        with open(log, "a") as handle:  # children append too
+            handle.write(f"{os.getpid()} {record.rank}\n")
+        return real(record, *args, **kwargs)
+
+    monkeypatch.setattr(analysis, "_analyze", logged)
+
+    def analysed() -> list[tuple[int, int]]:
+        done = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+        log.unlink()
+        return done
+
+    run = _write_run(tmp_path / "run")
+    for include_last in (False, True):
+        serial = analyze_traces([run], include_last_step=include_last, workers=1)
+        assert sorted(rank for _, rank in analysed()) == [0, 1, 2, 3]
+        assert analyze_traces([run], include_last_step=include_last, workers=2) == serial
+        done = analysed()
+        assert sorted(rank for _, rank in done) == [0, 1, 2, 3]  # each once
+        assert len({pid for pid, _ in done}) == 2 and os.getpid() in {pid for pid, _ in done}
+    # Rank 2 profiled one step only: by its own names the filter does not apply, by the set's it does (and keeps
+    # what ends by its last step's end).
+    one_step = tmp_path / "one_step"
+    one_step.mkdir()
+    for rank in range(4):
+        trace = _trace(rank, 4, steps=1 if rank == 2 else 3)
+        (one_step / f"rank{rank}.json").write_text(json.dumps(trace))
+    serial = analyze_traces([one_step], include_last_step=True, workers=1)
+    analysed()
+    assert analyze_traces([one_step], include_last_step=True, workers=2) == serial
+    done = analysed()
+    assert sorted(rank for _, rank in done) == [0, 1, 2, 2, 3]
+    assert (os.getpid(), 2) == done[-1]  # again here, after all were read
 
 
 def test_parallel_load_equals_serial_on_synthetic_run(tmp_path):
@@ -152,10 +193,10 @@ def test_a_child_that_dies_is_read_here_and_a_failure_here_leaves_no_child(tmp_p
     serial = {path: asdict(record) for path, record in parallel.read_traces(files, workers=1).items()}
     here, real = os.getpid(), parallel._run_task
 
-    def killed_in_a_child(task):
+    def killed_in_a_child(task, then):
         if os.getpid() != here:
             os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
-        return real(task)
+        return real(task, then)
 
     monkeypatch.setattr(parallel, "_run_task", killed_in_a_child)
     assert {path: asdict(record) for path, record in parallel.read_traces(files, workers=2).items()} == serial
@@ -168,11 +209,11 @@ def test_a_child_that_dies_is_read_here_and_a_failure_here_leaves_no_child(tmp_p
     monkeypatch.undo()
     monkeypatch.setattr(parallel, "_can_fork", lambda: True)
 
-    def fails_here(task):
+    def fails_here(task, then):
         if os.getpid() == here:
             raise KeyboardInterrupt
         time.sleep(30)  # a child still at work when this process stops
-        return real(task)
+        return real(task, then)
 
     monkeypatch.setattr(parallel, "_run_task", fails_here)
     forked, real_fork = [], os.fork
@@ -354,6 +395,38 @@ def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
     cpu.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": f"gloo:all_reduce#{i}", "pid": 0,
                                                 "tid": 1, "ts": 10 * i, "dur": 5} for i in range(3000)]}))
     assert asdict(parallel.read_traces([cpu], workers=2)[cpu]) == asdict(reader.read_trace(cpu))
+
+
+def test_a_fractional_kernel_duration_is_read_in_full_wherever_it_is(tmp_path, monkeypatch):
+    """With int timestamps, HTA's rounding depends on events the fast scan does not read, so a GPU row with a
+    fractional duration sends the file to the full read: in a chunk the regex reads, in the file's last event
+    (decoded on its own), and in any block of a scan in parts. A float duration with no fraction does not."""
+    monkeypatch.setattr(reader, "_CHUNK_CHARS", 1 << 13)
+    monkeypatch.setattr(fastscan, "PART_BLOCK", 1 << 13)
+    trace = _trace(rank=1, world=2, steps=3, kernels=200)
+    kernels = [index for index, event in enumerate(trace["traceEvents"]) if event["cat"] == "kernel"]
+    assert kernels[-1] == len(trace["traceEvents"]) - 1
+    for row, dur, misses in ((kernels[5], 2.5, True), (kernels[len(kernels) // 2], 0.25, True),
+                             (kernels[-1], 3001.5, True), (kernels[5], 3000.0, False)):
+        changed = json.loads(json.dumps(trace))
+        changed["traceEvents"][row]["dur"] = dur
+        path = tmp_path / f"dur_{row}_{dur}.json"
+        path.write_text(json.dumps(changed))
+        full = asdict(reader._read_trace(path))
+        if misses:
+            with pytest.raises(fastscan.FastPathMiss, match="fractional durations"):
+                fastscan.scan_trace(path, reader._CHUNK_CHARS)
+            for parts in (2, 3):
+                with pytest.raises(fastscan.FastPathMiss, match="fractional durations"):
+                    _in_parts(path, parts)
+            assert asdict(reader.read_trace(path)) == full
+            assert asdict(parallel.read_traces([path], workers=2)[path]) == full
+        else:  # the fast scan keeps the CPU rows of the input pipeline only
+            fast = asdict(fastscan.scan_trace(path, reader._CHUNK_CHARS))
+            fast_rows = fast.pop("cpu_rows")
+            assert fast_rows == {"enumerate(DataLoader)": []}
+            assert fast == {key: value for key, value in full.items() if key != "cpu_rows"}
+            assert _in_parts(path, 3) == asdict(reader.read_trace(path)) == dict(fast, cpu_rows=fast_rows)
 
 
 def _corrupt(directory: Path) -> dict[str, Path]:

@@ -9,12 +9,14 @@ results, and calls ``combine`` on rank 0.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
 from shardlight.errors import ShardlightError
+from shardlight.trace.events import TimeRules
 from shardlight.trace.metrics import UNASSIGNED_STEP, collect_step_names, measure_record, prepare
-from shardlight.trace.parallel import read_traces
+from shardlight.trace.parallel import read_traces_then
 from shardlight.trace.payload import ALL, build_payload
 from shardlight.trace.reader import read_trace
 from shardlight.trace.records import TraceRecord
@@ -84,11 +86,19 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
     from the files' sizes and the CPUs, 1 reads them
     here. The records, skips and errors are the same either way.
     """
+    records, skipped, _ = _load_traces(paths, workers)
+    return records, skipped
+
+
+def _load_traces(paths: Iterable[str | Path], workers: int | None, then=None,
+                 ) -> tuple[list[TraceRecord], list[dict[str, str]], dict[str, Any]]:
+    """``load_traces``, and ``then`` of the records a worker read (:func:`.parallel.read_traces_then`), by
+    their record's path."""
     skipped: list[dict[str, str]] = []
     paths = [Path(raw) for raw in paths]
     if not paths:
         raise ShardlightError("no trace path given")
-    read = None
+    read, early = None, {}
     if workers != 1:
         files: list[Path] = []
         for path in paths:
@@ -96,7 +106,8 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
                 files.extend(_directory_files(path) if path.is_dir() else [path] if path.is_file() else [])
             except (ShardlightError, OSError):
                 pass  # worded below, in order
-        read = read_traces(files, workers)
+        read, thens = read_traces_then(files, workers, then)
+        early = {str(path): value for path, value in thens.items()}
     records: list[TraceRecord] = []
     for path in paths:
         if path.is_dir():
@@ -117,7 +128,7 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
                 "analyse one run at a time"
             )
         by_rank[record.rank] = record
-    return [by_rank[rank] for rank in sorted(by_rank)], skipped
+    return [by_rank[rank] for rank in sorted(by_rank)], skipped, early
 
 
 def _analyze(record: TraceRecord, include_last_step: bool, step_name_count: int | None,
@@ -224,11 +235,30 @@ def combine(results: dict[str, dict[str, Any]], link_peak_gbps: float | None = N
 
 def analyze_records(records: list[TraceRecord], include_last_step: bool = False,
                     skipped: list[dict[str, str]] | None = None,
-                    link_peak_gbps: float | None = None) -> dict[str, Any]:
+                    link_peak_gbps: float | None = None, early: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``early``: record path -> :func:`_analysis_ahead` of it, used where it holds."""
     # HTA decides whether to drop the last step from the step names of all ranks together.
     step_name_count = collect_step_names(records)
-    results = {str(record.rank): _analyze(record, include_last_step, step_name_count) for record in records}
+    filters = TimeRules.filters_steps(step_name_count)
+    results = {}
+    for record in records:
+        ahead = (early or {}).get(record.path)
+        if ahead is not None and ahead[0] == filters:
+            results[str(record.rank)] = ahead[1]
+        else:
+            results[str(record.rank)] = _analyze(record, include_last_step, step_name_count)
     return combine(results, link_peak_gbps, skipped)
+
+
+def _analysis_ahead(record: TraceRecord, include_last_step: bool) -> tuple[bool, dict[str, Any]] | None:
+    """A rank's analysis in the worker that read it, before the other ranks' step names are known: whether
+    its own names make the last-step filter apply, and the result. It is the result of ``analyze_records``
+    when the whole set's names decide the same (the filter uses only this rank's steps). None: the
+    analysis fails, and ``analyze_records`` says why."""
+    try:
+        return TimeRules.filters_steps(len(record.step_names)), _analyze(record, include_last_step, None)
+    except ShardlightError:
+        return None
 
 
 def analyze_traces(paths: Iterable[str | Path] | str | Path, include_last_step: bool = False,
@@ -242,5 +272,7 @@ def analyze_traces(paths: Iterable[str | Path] | str | Path, include_last_step: 
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    records, skipped = load_traces(paths, workers=workers)
-    return analyze_records(records, include_last_step, skipped, link_peak_gbps)
+    # Each worker analyses the ranks it reads, so that work is shared as the reading is.
+    ahead = partial(_analysis_ahead, include_last_step=include_last_step)
+    records, skipped, early = _load_traces(paths, workers, ahead)
+    return analyze_records(records, include_last_step, skipped, link_peak_gbps, early)

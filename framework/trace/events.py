@@ -95,13 +95,19 @@ class TimeRules:
     include_last_step: bool
     cutoff: Any = None  # launch-time limit of the last-step filter; None keeps everything
 
+    @staticmethod
+    def filters_steps(step_name_count: int) -> bool:
+        """Whether the last-step filter applies, from the distinct step names of the ranks analysed
+        together: all that ``of`` uses of that count (HTA decides on it, not on the names)."""
+        return step_name_count >= 2
+
     @classmethod
     def of(cls, record: TraceRecord, include_last_step: bool = False,
            step_name_count: int | None = None) -> TimeRules:
         """The rules for ``record``; ``step_name_count`` as in :func:`metrics.analyze_record`."""
         rules = cls(record.float_timestamps, include_last_step)
         count = len(record.step_names) if step_name_count is None else step_name_count
-        if count < 2 or not record.step_rows:
+        if not cls.filters_steps(count) or not record.step_rows:
             return rules
         ranges = [rules.bounds(row.ts, row.dur) for row in record.step_rows]
         if include_last_step:

@@ -88,7 +88,7 @@ def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
     """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
     whole = _scan(path, chunk_chars, 0, 1).blocks[0]
     _read_infos(whole.record, whole.infos)
-    _check(whole.record)
+    _check(whole.record, whole.int_durations)
     return whole.record
 
 
@@ -107,6 +107,9 @@ class Block:
     # From the file's start: how the top level opens ("{" or "["); to its end: "{" when the events
     # array is followed by the rest of an object, "[" when by the end of the file.
     form: str = ""
+    # How many of its GPU rows (the first ones) were read with durations that are all ints: the
+    # fractional-duration check (_check) need not look at those.
+    int_durations: int = 0
 
 
 @dataclass
@@ -178,7 +181,8 @@ def merge_parts(parts: list[Part]) -> TraceRecord:
         for prefix, rows in record.cpu_rows.items():
             merged.cpu_rows.setdefault(prefix, []).extend(rows)
     merged.cpu_rows.setdefault(INPUT_PREFIX, [])
-    _check(merged)
+    _check(merged, None if any(block.int_durations < len(block.record.gpu_dur) for block in chain)
+           else len(merged.gpu_dur))
     return merged
 
 
@@ -228,6 +232,7 @@ def _scan_block(window: Window, path: Path, begin: int, stop: int | None) -> Blo
                 window, scanner, block.infos)
             if not saw_events:
                 raise FastPathMiss("no traceEvents")
+    block.int_durations = scanner.int_durations
     if stopped:
         block.end = window.stop
     elif window.peek() >= 0:
@@ -246,15 +251,18 @@ def _read_infos(record: TraceRecord, infos: list) -> None:
             record.rank = rank
 
 
-def _check(record: TraceRecord) -> None:
-    if not record.float_timestamps and _fractional_durations(record):
+def _check(record: TraceRecord, int_durations: int | None = None) -> None:
+    """``int_durations``: how many of the first GPU rows are known to have int durations."""
+    if not record.float_timestamps and _fractional_durations(record, int_durations or 0):
         # An event without "ts" also makes HTA round (its ts column turns float), which
         # changes only fractional durations; finding such events takes the full read.
         raise FastPathMiss("fractional durations")
 
 
-def _fractional_durations(record: TraceRecord) -> bool:
-    durations = record.gpu_dur + [row.dur for row in record.step_rows]
+def _fractional_durations(record: TraceRecord, int_durations: int) -> bool:
+    durations = [row.dur for row in record.step_rows]
+    if int_durations < len(record.gpu_dur):
+        durations += record.gpu_dur[int_durations:]
     return any(type(dur) is float and not dur.is_integer() for dur in durations)
 
 
@@ -327,6 +335,8 @@ class _Scanner:
     def __init__(self, record: TraceRecord):
         self.record = record
         self.collector = Collector(record, cpu_prefixes=(INPUT_PREFIX,))
+        # GPU rows read so far whose durations are all ints, while every row was (then it stops counting).
+        self.int_durations = 0
 
     def events(self, window: Window) -> bool:
         """Everything from after traceEvents' "[" to after its "]" (False), or up to the event at the
@@ -414,8 +424,10 @@ class _Scanner:
         stamps, floats = _numbers(stamps)
         if floats:
             self.record.float_timestamps = True
-        durations, _ = _numbers(durations)
+        durations, floats = _numbers(durations)
         record = self.record
+        if not floats and self.int_durations == len(record.gpu_dur):
+            self.int_durations += len(durations)
         record.gpu_name.extend(map(sys.intern, _texts(names)))  # kernel names repeat: share them
         record.gpu_ts.extend(stamps)
         record.gpu_dur.extend(durations)

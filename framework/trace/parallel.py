@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 try:
     import fcntl
@@ -22,7 +23,7 @@ from shardlight.trace import reader
 from shardlight.trace.fastscan import FastPathMiss, Part, merge_parts, scan_part
 from shardlight.trace.records import TraceRecord
 
-__all__ = ["read_traces"]
+__all__ = ["read_traces", "read_traces_then"]
 
 # Decoding in worker processes (read_traces), measured on 2 idle cores (ABBA, wall time): two
 # workers took 1.25x the serial time for 2 files of 3.4 MB in all, 0.99x for 8 files (7.3 MB),
@@ -44,6 +45,7 @@ _MAX_PARTS = 4
 _PIPE_BYTES = 1 << 20
 _LOOKS = 4  # at the run queue (_idle_cpus)
 _Task = tuple[Path, tuple[int, int] | None]  # a file, and which part of how many (None: all of it)
+_Then = Callable[[TraceRecord], Any]
 
 
 def read_traces(paths: list[Path], workers: int | None = None) -> dict[Path, TraceRecord | ShardlightError]:
@@ -58,16 +60,25 @@ def read_traces(paths: list[Path], workers: int | None = None) -> dict[Path, Tra
     The other workers are forked (:func:`_can_fork`); elsewhere the files are read here. The results
     are the same either way.
     """
+    return read_traces_then(paths, workers)[0]
+
+
+def read_traces_then(paths: list[Path], workers: int | None = None, then: _Then | None = None,
+                     ) -> tuple[dict[Path, TraceRecord | ShardlightError], dict[Path, Any]]:
+    """:func:`read_traces`, and ``then(record)`` of each file read whole in a worker, called in that worker
+    right after its read (so the work is shared too): path -> its value. A file read here, or in parts, has
+    none: the caller does that work itself."""
     paths = list(dict.fromkeys(paths))
     sizes = {path: _decoded_size(path) for path in paths}
     count = _worker_count(sizes, workers)
     tasks = _plan(sizes, count) if count > 1 else []
     if len(tasks) > 1:
         costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
-        results = _run_shared(tasks, _shares(costs, min(count, len(tasks))))
+        results = _run_shared(tasks, _shares(costs, min(count, len(tasks))), then)
         if results is not None:
-            return _assemble(paths, tasks, results)
-    return {path: _read_or_error(path) for path in paths}
+            thens = {path: after for (path, _), (_, after) in zip(tasks, results) if after is not None}
+            return _assemble(paths, tasks, [result for result, _ in results]), thens
+    return {path: _read_or_error(path) for path in paths}, {}
 
 
 def _shares(costs: list[float], count: int) -> list[list[int]]:
@@ -81,7 +92,7 @@ def _shares(costs: list[float], count: int) -> list[list[int]]:
     return [sorted(share) for share in shares if share]
 
 
-def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
+def _run_shared(tasks: list[_Task], shares: list[list[int]], then: _Then | None = None) -> list | None:
     """Each share's tasks run in its own process -- the first here, the others in forked children that
     send their results back pickled through a pipe -- so none sits idle waiting; None if a child could
     not be started or died (killed, out of memory): the caller reads here, where any error shows.
@@ -100,7 +111,7 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
                 try:
                     os.close(read_end)
                     with os.fdopen(write_end, "wb") as pipe:
-                        pipe.write(pickle.dumps([_run_task(tasks[index]) for index in share]))
+                        pipe.write(pickle.dumps([_run_task(tasks[index], then) for index in share]))
                     status = 0
                 finally:
                     os._exit(status)
@@ -108,7 +119,7 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]]) -> list | None:
             children.append((pid, read_end, share))
         results: list = [None] * len(tasks)
         for index in shares[0]:
-            results[index] = _run_task(tasks[index])
+            results[index] = _run_task(tasks[index], then)
         complete = True
         while children:
             pid, read_end, share = children[0]
@@ -139,15 +150,17 @@ def _read_or_error(path: Path) -> TraceRecord | ShardlightError:
         return ShardlightError(str(exc))
 
 
-def _run_task(task: _Task) -> TraceRecord | ShardlightError | Part | None:
-    """A whole file's read, or a part's fast scan (None: the part could not be sure of it)."""
+def _run_task(task: _Task, then: _Then | None) -> tuple[TraceRecord | ShardlightError | Part | None, Any]:
+    """A whole file's read and ``then`` of its record (None if none), or a part's fast scan (None: the
+    part could not be sure of it) and None."""
     path, part = task
     if part is None:
-        return _read_or_error(path)
+        result = _read_or_error(path)
+        return result, then(result) if then is not None and isinstance(result, TraceRecord) else None
     try:
-        return scan_part(path, reader._CHUNK_CHARS, *part)
+        return scan_part(path, reader._CHUNK_CHARS, *part), None
     except FastPathMiss:
-        return None
+        return None, None
 
 
 def _assemble(paths: list[Path], tasks: list[_Task], results: list) -> dict[Path, TraceRecord | ShardlightError]:
