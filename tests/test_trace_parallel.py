@@ -315,6 +315,40 @@ def _in_parts(path: Path, parts: int) -> dict:
     return asdict(merge_parts([scan_part(path, reader._CHUNK_CHARS, index, parts) for index in range(parts)]))
 
 
+def _in_claimed_parts(path: Path, owners: list[int]) -> dict:
+    """merge_parts of parts that claimed their blocks as they went: part ``owners[n]`` took block n (each part's
+    blocks in increasing order, as taking them from one counter gives, whatever the parts' speeds)."""
+    parts = max(owners) + 1
+    taken = [iter([n for n, owner in enumerate(owners) if owner == part]) for part in range(parts)]
+    return asdict(merge_parts([scan_part(path, reader._CHUNK_CHARS, part, parts, lambda it=taken[part]: next(it, None))
+                               for part in range(parts)]))
+
+
+def _owners(blocks: int, parts: int, seed: int) -> list[int]:
+    """Who took each block: in turn, one part all, and runs of random lengths (a part taking several in a row)."""
+    import random
+
+    pick = random.Random(seed)
+    owners, part = [], 0
+    while len(owners) < blocks:
+        owners += [part] * pick.randint(1, 3)
+        part = pick.randrange(parts)
+    return [[n % parts for n in range(blocks)], [parts - 1] * blocks, owners[:blocks]][seed % 3]
+
+
+@needs_shared
+@pytest.mark.parametrize("name", [p.name for p in _sets()])
+def test_scan_in_claimed_parts_equals_one_scan_on_shared_traces(name, monkeypatch):
+    for path in sorted((SHARED / name).iterdir()):
+        whole = asdict(reader.read_trace(path))
+        for seed, block in enumerate((fastscan.PART_BLOCK, 65_537, 30_011, 65_537, 30_011, 1 << 20)):
+            monkeypatch.setattr(fastscan, "PART_BLOCK", block)
+            blocks = parallel._decoded_size(path) // block + 2
+            merged = _in_claimed_parts(path, _owners(blocks, 2 + seed % 2, seed))
+            assert merged == whole
+            assert list(merged["launch_ts"]) == list(whole["launch_ts"])
+
+
 @needs_shared
 @pytest.mark.parametrize("name", [p.name for p in _sets()])
 def test_scan_in_parts_equals_one_scan_on_shared_traces(name, monkeypatch):
@@ -337,7 +371,12 @@ def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
     with gzip.open(path, "wt") as handle:
         handle.write(json.dumps(trace))
     serial = asdict(reader.read_trace(path))
-    assert parallel._plan({path: parallel._decoded_size(path)}, 3) == [(path, (0, 3)), (path, (1, 3)), (path, (2, 3))]
+    claims: list[int] = []
+    tasks = parallel._plan({path: parallel._decoded_size(path)}, 3, claims)
+    assert len(claims) == 1 and tasks == [(path, (index, 3, claims[0])) for index in range(3)]
+    blocks = parallel._decoded_size(path) // fastscan.PART_BLOCK + 2  # the file's blocks, and one more
+    assert [parallel._claim(claims[0]) for _ in range(blocks + 1)] == [*range(blocks), None]
+    os.close(claims[0])
     assert asdict(parallel.read_traces([path], workers=3)[path]) == serial
     for parts in (2, 5):
         assert _in_parts(path, parts) == serial
@@ -395,6 +434,33 @@ def test_one_large_file_is_read_in_parts(tmp_path, monkeypatch):
     cpu.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": f"gloo:all_reduce#{i}", "pid": 0,
                                                 "tid": 1, "ts": 10 * i, "dur": 5} for i in range(3000)]}))
     assert asdict(parallel.read_traces([cpu], workers=2)[cpu]) == asdict(reader.read_trace(cpu))
+
+
+def test_claimed_parts_find_one_float_timestamp_wherever_it_is_and_miss_unclaimed_blocks(tmp_path, monkeypatch):
+    """A single float "ts" makes HTA round the whole file: parts that claim blocks look at every chunk they read, so
+    one of them sees it whichever took its block. A block nobody claimed leaves the blocks unjoined: a miss."""
+    monkeypatch.setattr(reader, "_CHUNK_CHARS", 1 << 12)
+    monkeypatch.setattr(fastscan, "PART_BLOCK", 5_000)
+    trace = _trace(rank=0, world=2, steps=3, kernels=120)
+    plain = tmp_path / "ints.json"
+    plain.write_text(json.dumps(trace))
+    blocks = parallel._decoded_size(plain) // 5_000 + 2
+    for row in (1, len(trace["traceEvents"]) // 3, len(trace["traceEvents"]) - 2):
+        changed = json.loads(json.dumps(trace))  # a CPU op, which only the chunks' look for a float finds
+        changed["traceEvents"].insert(row, {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 0, "tid": 1,
+                                            "ts": changed["traceEvents"][row]["ts"] + 0.5, "dur": 1})
+        path = tmp_path / f"float_{row}.json"
+        path.write_text(json.dumps(changed))
+        whole = asdict(reader.read_trace(path))  # one scan: it too looks at every chunk (it once lost the answer)
+        assert whole["float_timestamps"] and reader._read_trace(path).float_timestamps
+        for seed in range(6):
+            assert _in_claimed_parts(path, _owners(blocks, 2, seed)) == whole
+    assert not _in_claimed_parts(plain, _owners(blocks, 2, 2))["float_timestamps"]
+    unread = iter([0, 1, *range(3, blocks)])  # block 2 is claimed by nobody
+    parts = [scan_part(plain, reader._CHUNK_CHARS, 0, 2, lambda: next(unread, None)),
+             scan_part(plain, reader._CHUNK_CHARS, 1, 2, lambda: None)]
+    with pytest.raises(fastscan.FastPathMiss, match="join"):
+        merge_parts(parts)
 
 
 def test_a_fractional_kernel_duration_is_read_in_full_wherever_it_is(tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import count, repeat
 from pathlib import Path
+from typing import Callable
 
 from shardlight.trace.chunks import INFLATE_ERRORS, Chunks
 from shardlight.trace.records import INPUT_PREFIX, Collector, TraceRecord, as_int, comm_args
@@ -86,7 +87,10 @@ _OBJECT_REST = re.compile(rb'(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 
 def scan_trace(path: Path, chunk_chars: int) -> TraceRecord:
     """The TraceRecord of one file, or FastPathMiss when only a full read can be sure of it."""
-    whole = _scan(path, chunk_chars, 0, 1).blocks[0]
+    scanned = _scan(path, chunk_chars, 0, 1)
+    whole = scanned.blocks[0]
+    # A float "ts" the regexes do not read (a CPU op's, say) makes HTA round every row too.
+    whole.record.float_timestamps = whole.record.float_timestamps or scanned.float_timestamps
     _read_infos(whole.record, whole.infos)
     _check(whole.record, whole.int_durations)
     return whole.record
@@ -120,7 +124,8 @@ class Part:
     float_timestamps: bool  # whether the chunks that start in its blocks hold a float timestamp
 
 
-def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
+def scan_part(path: Path, chunk_chars: int, index: int, parts: int,
+              claim: Callable[[], int | None] | None = None) -> Part:
     """Part ``index`` of ``parts`` of scan_trace, for :func:`merge_parts` (FastPathMiss as scan_trace).
 
     The part scans the events of blocks ``index``, ``index + parts``, ... of :data:`PART_BLOCK`
@@ -131,8 +136,14 @@ def scan_part(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
     verifies that its scan reaches exactly it. Between its blocks a part only inflates the bytes,
     and it looks for float timestamps in the chunks that start in its blocks (any of them makes the
     file's float).
+
+    ``claim``: the parts take their blocks as they go instead, each the next block no part has
+    taken (``claim()`` gives its number, in increasing order across the parts; None: no more), so
+    a part that runs slower -- denser blocks, or a busy CPU -- takes fewer. Every block must be
+    claimed by one of the parts. Each part then looks for float timestamps in every chunk it
+    looks at (it cannot know which blocks it will take); together they look at every chunk.
     """
-    return _scan(path, chunk_chars, index, parts)
+    return _scan(path, chunk_chars, index, parts, claim)
 
 
 def merge_parts(parts: list[Part]) -> TraceRecord:
@@ -186,18 +197,24 @@ def merge_parts(parts: list[Part]) -> TraceRecord:
     return merged
 
 
-def _scan(path: Path, chunk_chars: int, index: int, parts: int) -> Part:
+def _scan(path: Path, chunk_chars: int, index: int, parts: int,
+          claim: Callable[[], int | None] | None = None) -> Part:
     """Part ``index`` of ``parts`` (0 of 1: the whole file in one block; see scan_part)."""
     try:
-        checks_float = None if parts == 1 else (lambda offset: offset // PART_BLOCK % parts == index)
+        checks_float = None if parts == 1 or claim else (lambda offset: offset // PART_BLOCK % parts == index)
         chunks = Chunks(path, chunk_chars // 2, checks_float)  # see Chunks.__init__ on the size
     except OSError:
         raise FastPathMiss("cannot open") from None
     blocks: list[Block] = []
     try:
         window = Window(chunks)
-        for number in count(index, parts):
-            begin = window.seek_event(number * PART_BLOCK) if number else 0
+        last = None
+        for number in count(index, parts) if claim is None else iter(claim, None):
+            if last is not None and number == last + 1:
+                begin = blocks[-1].end  # the window is there: where the block before stopped
+            else:
+                begin = window.seek_event(number * PART_BLOCK) if number else 0
+            last = number
             if begin is None:
                 break  # no event starts after this block's start: the file ended before it
             blocks.append(_scan_block(window, path, begin, None if parts == 1 else (number + 1) * PART_BLOCK))

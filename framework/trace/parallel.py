@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +20,7 @@ except ImportError:  # pragma: no cover - not on Windows, where nothing is forke
     fcntl = None
 
 from shardlight.errors import ShardlightError
-from shardlight.trace import reader
+from shardlight.trace import fastscan, reader
 from shardlight.trace.fastscan import FastPathMiss, Part, merge_parts, scan_part
 from shardlight.trace.records import TraceRecord
 
@@ -43,8 +44,15 @@ _SPLIT_MIN_BYTES = 4 << 20
 # ...into at most this many parts.
 _MAX_PARTS = 4
 _PIPE_BYTES = 1 << 20
+# A file's parts take its blocks from a pipe of block numbers (_claims), written in full before any part
+# starts: at most what a pipe holds by default (64 KiB), 16384 blocks, 32 GiB. A larger file's parts
+# take every n-th block instead.
+_CLAIM_BYTES = 4
+_MAX_CLAIMS = (64 << 10) // _CLAIM_BYTES
 _LOOKS = 4  # at the run queue (_idle_cpus)
-_Task = tuple[Path, tuple[int, int] | None]  # a file, and which part of how many (None: all of it)
+# A file, and which part of how many, and the read end of its parts' block numbers (-1: every n-th)
+# (None: all of the file).
+_Task = tuple[Path, tuple[int, int, int] | None]
 _Then = Callable[[TraceRecord], Any]
 
 
@@ -71,13 +79,18 @@ def read_traces_then(paths: list[Path], workers: int | None = None, then: _Then 
     paths = list(dict.fromkeys(paths))
     sizes = {path: _decoded_size(path) for path in paths}
     count = _worker_count(sizes, workers)
-    tasks = _plan(sizes, count) if count > 1 else []
-    if len(tasks) > 1:
-        costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
-        results = _run_shared(tasks, _shares(costs, min(count, len(tasks))), then)
-        if results is not None:
-            thens = {path: after for (path, _), (_, after) in zip(tasks, results) if after is not None}
-            return _assemble(paths, tasks, [result for result, _ in results]), thens
+    claims: list[int] = []
+    try:
+        tasks = _plan(sizes, count, claims) if count > 1 else []
+        if len(tasks) > 1:
+            costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
+            results = _run_shared(tasks, _shares(costs, min(count, len(tasks))), then)
+            if results is not None:
+                thens = {path: after for (path, _), (_, after) in zip(tasks, results) if after is not None}
+                return _assemble(paths, tasks, [result for result, _ in results]), thens
+    finally:
+        for read_end in claims:
+            os.close(read_end)
     return {path: _read_or_error(path) for path in paths}, {}
 
 
@@ -157,10 +170,36 @@ def _run_task(task: _Task, then: _Then | None) -> tuple[TraceRecord | Shardlight
     if part is None:
         result = _read_or_error(path)
         return result, then(result) if then is not None and isinstance(result, TraceRecord) else None
+    index, parts, claims = part
     try:
-        return scan_part(path, reader._CHUNK_CHARS, *part), None
+        return scan_part(path, reader._CHUNK_CHARS, index, parts, None if claims < 0 else partial(_claim, claims)), None
     except FastPathMiss:
         return None, None
+
+
+def _claim(claims: int) -> int | None:
+    """The next block no part of the file has taken, from its pipe of block numbers (None: none left).
+
+    Linux reads a pipe under its lock, so each reader gets whole numbers, each number once."""
+    data = os.read(claims, _CLAIM_BYTES)
+    return int.from_bytes(data, "little") if len(data) == _CLAIM_BYTES else None
+
+
+def _claims(size: int) -> int:
+    """A pipe of the numbers of the blocks of a file of about ``size`` decompressed bytes (and one more
+    block, should the size be short), all written: its read end, or -1 if they do not fit."""
+    blocks = size // fastscan.PART_BLOCK + 2
+    if blocks > _MAX_CLAIMS:
+        return -1
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:  # out of file descriptors: every n-th block
+        return -1
+    try:
+        os.write(write_end, b"".join(number.to_bytes(_CLAIM_BYTES, "little") for number in range(blocks)))
+    finally:
+        os.close(write_end)
+    return read_end
 
 
 def _assemble(paths: list[Path], tasks: list[_Task], results: list) -> dict[Path, TraceRecord | ShardlightError]:
@@ -201,15 +240,19 @@ def _widen(pipe: int) -> None:
         pass  # another system, or a lower limit: the child waits for the read instead
 
 
-def _plan(sizes: dict[Path, int], count: int) -> list[_Task]:
-    """One task per file, or per part of a large file when there are fewer files than workers."""
+def _plan(sizes: dict[Path, int], count: int, claims: list[int]) -> list[_Task]:
+    """One task per file, or per part of a large file when there are fewer files than workers (the read
+    ends of the parts' block numbers are added to ``claims``, for the caller to close)."""
     if len(sizes) >= count:
         return [(path, None) for path in sizes]
     tasks: list[_Task] = []
     for path, size in sizes.items():
         pieces = min(count, _MAX_PARTS, size // _SPLIT_MIN_BYTES)
         if pieces > 1:
-            tasks.extend((path, (index, pieces)) for index in range(pieces))
+            read_end = _claims(size)
+            if read_end >= 0:
+                claims.append(read_end)
+            tasks.extend((path, (index, pieces, read_end)) for index in range(pieces))
         else:
             tasks.append((path, None))
     return tasks
