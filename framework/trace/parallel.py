@@ -84,10 +84,13 @@ def read_traces_then(paths: list[Path], workers: int | None = None, then: _Then 
         tasks = _plan(sizes, count, claims) if count > 1 else []
         if len(tasks) > 1:
             costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
-            results = _run_shared(tasks, _shares(costs, min(count, len(tasks))), then)
-            if results is not None:
+            def finish(results: list) -> tuple[dict[Path, TraceRecord | ShardlightError], dict[Path, Any]]:
                 thens = {path: after for (path, _), (_, after) in zip(tasks, results) if after is not None}
                 return _assemble(paths, tasks, [result for result, _ in results]), thens
+
+            done = _run_shared(tasks, _shares(costs, min(count, len(tasks))), then, finish)
+            if done is not None:
+                return done
     finally:
         for read_end in claims:
             os.close(read_end)
@@ -105,11 +108,14 @@ def _shares(costs: list[float], count: int) -> list[list[int]]:
     return [sorted(share) for share in shares if share]
 
 
-def _run_shared(tasks: list[_Task], shares: list[list[int]], then: _Then | None = None) -> list | None:
+def _run_shared(tasks: list[_Task], shares: list[list[int]], then: _Then | None = None,
+                finish: Callable[[list], Any] = list) -> Any | None:
     """Each share's tasks run in its own process -- the first here, the others in forked children that
-    send their results back pickled through a pipe -- so none sits idle waiting; None if a child could
-    not be started or died (killed, out of memory): the caller reads here, where any error shows.
-    However this ends (an interrupt included), no child is left running or unreaped."""
+    send their results back pickled through a pipe -- so none sits idle waiting. Returns
+    ``finish(results)``, run before the children are reaped: a child's exit (unmapping its memory) takes
+    1-3 ms, spent while this process assembles. None if a child could not be started or died (killed,
+    out of memory): the caller reads here, where any error shows. However this ends (an interrupt
+    included), no child is left running or unreaped."""
     children: list[tuple[int, int, list[int]]] = []  # (pid, read end, share) not reaped yet
     try:
         for share in shares[1:]:
@@ -123,8 +129,9 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]], then: _Then | None 
                 status = 1
                 try:
                     os.close(read_end)
-                    with os.fdopen(write_end, "wb") as pipe:
-                        pipe.write(pickle.dumps([_run_task(tasks[index], then) for index in share]))
+                    data = pickle.dumps([_run_task(tasks[index], then) for index in share])
+                    with os.fdopen(write_end, "wb") as pipe:  # its length first: all of it came, or not
+                        pipe.write(len(data).to_bytes(8, "little") + data)
                     status = 0
                 finally:
                     os._exit(status)
@@ -133,21 +140,23 @@ def _run_shared(tasks: list[_Task], shares: list[list[int]], then: _Then | None 
         results: list = [None] * len(tasks)
         for index in shares[0]:
             results[index] = _run_task(tasks[index], then)
-        complete = True
-        while children:
-            pid, read_end, share = children[0]
+        sent = []
+        for number, (pid, read_end, share) in enumerate(children):
             with os.fdopen(read_end, "rb", closefd=False) as pipe:
-                data = pipe.read()
+                sent.append(pipe.read())
             os.close(read_end)
-            children[0] = (pid, -1, share)
-            _, status = os.waitpid(pid, 0)
+            children[number] = (pid, -1, share)
+        complete = all(len(data) >= 8 and int.from_bytes(data[:8], "little") == len(data) - 8 for data in sent)
+        if complete:
+            for (_, _, share), data in zip(children, sent):
+                for index, result in zip(share, pickle.loads(memoryview(data)[8:])):
+                    results[index] = result
+            finished = finish(results)
+        while children:
+            _, status = os.waitpid(children[0][0], 0)
             children.pop(0)
-            if status != 0 or not data:
-                complete = False
-                continue
-            for index, result in zip(share, pickle.loads(data)):
-                results[index] = result
-        return results if complete else None
+            complete = complete and status == 0
+        return finished if complete else None
     finally:
         for pid, read_end, _ in children:  # this process stopped first (an error or an interrupt)
             if read_end >= 0:
