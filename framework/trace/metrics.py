@@ -137,11 +137,14 @@ def mesh_role(ranks: Iterable[int] | None, tp_size: int, world_size: int | None)
 
 def step_keys(steps: list[tuple[float, float, str]], launch: np.ndarray) -> np.ndarray:
     """The step number (a str) whose ``[start, end)`` holds each launch time; ``unassigned`` if none."""
-    keys = np.full(launch.size, UNASSIGNED_STEP, dtype=object)
+    # A str array, not an object one: ``keys == key`` is then one C comparison per row, not a Python one
+    # (0.06 against 0.6 ms for 22,000 rows, and each analysis compares once per step and use).
+    width = max([len(UNASSIGNED_STEP)] + [len(name) for _, _, name in steps])
+    keys = np.full(launch.size, UNASSIGNED_STEP, dtype=f"<U{width}")
     if steps:
         starts = np.array([start for start, _, _ in steps])
         ends = np.array([end for _, end, _ in steps])
-        names = np.array([name for _, _, name in steps], dtype=object)
+        names = np.array([name for _, _, name in steps], dtype=keys.dtype)
         # The last step starting at or before the launch, if the launch is inside it.
         index = np.searchsorted(starts, launch, side="right") - 1
         safe = np.maximum(index, 0)
