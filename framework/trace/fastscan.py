@@ -35,9 +35,9 @@ a string, bad JSON, bad gzip -- abandons the pass with FastPathMiss and the file
 by :mod:`shardlight.trace.reader`, which also words the errors.
 
 A large file can be scanned by several processes at once (:func:`scan_part`, :func:`merge_parts`):
-each scans the events of every n-th block of the file, from the first event start at or after the
-block's start to the first at or after the next block's, and between its blocks only inflates the
-bytes; the merged record equals ``scan_trace``'s.
+each scans the events of the blocks it takes (the next one no process has taken, as it goes; or every
+n-th), from the first event start at or after the block's start to the first at or after the next
+block's, and between its blocks only inflates the bytes; the merged record equals ``scan_trace``'s.
 """
 
 from __future__ import annotations
