@@ -474,6 +474,27 @@ def test_claimed_parts_find_one_float_timestamp_wherever_it_is_and_miss_unclaime
         merge_parts(parts)
 
 
+def test_block_numbers_that_do_not_fit_their_pipe_mean_every_nth_block_never_a_wait(monkeypatch):
+    """A pipe may hold one page only (a user over pipe-user-pages-soft gets that): the numbers of 1,500 blocks do
+    not fit, and the parts then take every n-th block instead of waiting on a write nobody reads."""
+    real_pipe, opened = os.pipe, []
+
+    def one_page_pipe():
+        read_end, write_end = real_pipe()
+        fcntl = pytest.importorskip("fcntl")
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+        opened.append(read_end)
+        return read_end, write_end
+
+    monkeypatch.setattr(parallel.os, "pipe", one_page_pipe)
+    assert parallel._claims(1_500 * fastscan.PART_BLOCK) == -1
+    with pytest.raises(OSError):  # and closed
+        os.fstat(opened[0])
+    claims = parallel._claims(100 * fastscan.PART_BLOCK)  # 102 numbers fit a page
+    assert [parallel._claim(claims) for _ in range(103)] == [*range(102), None]
+    os.close(claims)
+
+
 def test_a_fractional_kernel_duration_is_read_in_full_wherever_it_is(tmp_path, monkeypatch):
     """With int timestamps, HTA's rounding depends on events the fast scan does not read, so a GPU row with a
     fractional duration sends the file to the full read: in a chunk the regex reads, in the file's last event

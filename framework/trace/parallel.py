@@ -84,6 +84,7 @@ def read_traces_then(paths: list[Path], workers: int | None = None, then: _Then 
         tasks = _plan(sizes, count, claims) if count > 1 else []
         if len(tasks) > 1:
             costs = [sizes[path] / (part[1] if part else 1) for path, part in tasks]
+
             def finish(results: list) -> tuple[dict[Path, TraceRecord | ShardlightError], dict[Path, Any]]:
                 thens = {path: after for (path, _), (_, after) in zip(tasks, results) if after is not None}
                 return _assemble(paths, tasks, [result for result, _ in results]), thens
@@ -196,18 +197,29 @@ def _claim(claims: int) -> int | None:
 
 def _claims(size: int) -> int:
     """A pipe of the numbers of the blocks of a file of about ``size`` decompressed bytes (and one more
-    block, should the size be short), all written: its read end, or -1 if they do not fit."""
+    block, should the size be short), all written: its read end, or -1 if they do not fit (the parts then
+    take every n-th block).
+
+    The write never waits: a pipe may hold less than its usual 64 KiB (Linux gives a user over
+    /proc/sys/fs/pipe-user-pages-soft one page per pipe), and nothing reads it yet."""
     blocks = size // fastscan.PART_BLOCK + 2
     if blocks > _MAX_CLAIMS:
         return -1
     try:
         read_end, write_end = os.pipe()
-    except OSError:  # out of file descriptors: every n-th block
+    except OSError:  # out of file descriptors
         return -1
+    numbers = b"".join(number.to_bytes(_CLAIM_BYTES, "little") for number in range(blocks))
     try:
-        os.write(write_end, b"".join(number.to_bytes(_CLAIM_BYTES, "little") for number in range(blocks)))
+        os.set_blocking(write_end, False)
+        written = os.write(write_end, numbers)
+    except OSError:  # BlockingIOError: the pipe is full already
+        written = -1
     finally:
         os.close(write_end)
+    if written != len(numbers):
+        os.close(read_end)
+        return -1
     return read_end
 
 
