@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.events import TimeRules
@@ -90,7 +90,8 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
     return records, skipped
 
 
-def _load_traces(paths: Iterable[str | Path], workers: int | None, then=None,
+def _load_traces(paths: Iterable[str | Path], workers: int | None,
+                 then: Callable[[TraceRecord], Any] | None = None,
                  ) -> tuple[list[TraceRecord], list[dict[str, str]], dict[str, Any]]:
     """``load_traces``, and ``then`` of the records a worker read (:func:`.parallel.read_traces_then`), by
     their record's path."""

@@ -121,7 +121,7 @@ class Part:
     """What :func:`scan_part` returns, for :func:`merge_parts`."""
 
     blocks: list[Block]
-    float_timestamps: bool  # whether the chunks that start in its blocks hold a float timestamp
+    float_timestamps: bool  # whether the chunks it looked at for one hold a float timestamp (see scan_part)
 
 
 def scan_part(path: Path, chunk_chars: int, index: int, parts: int,
@@ -192,7 +192,7 @@ def merge_parts(parts: list[Part]) -> TraceRecord:
         for prefix, rows in record.cpu_rows.items():
             merged.cpu_rows.setdefault(prefix, []).extend(rows)
     merged.cpu_rows.setdefault(INPUT_PREFIX, [])
-    _check(merged, None if any(block.int_durations < len(block.record.gpu_dur) for block in chain)
+    _check(merged, 0 if any(block.int_durations < len(block.record.gpu_dur) for block in chain)
            else len(merged.gpu_dur))
     return merged
 
@@ -268,9 +268,9 @@ def _read_infos(record: TraceRecord, infos: list) -> None:
             record.rank = rank
 
 
-def _check(record: TraceRecord, int_durations: int | None = None) -> None:
+def _check(record: TraceRecord, int_durations: int) -> None:
     """``int_durations``: how many of the first GPU rows are known to have int durations."""
-    if not record.float_timestamps and _fractional_durations(record, int_durations or 0):
+    if not record.float_timestamps and _fractional_durations(record, int_durations):
         # An event without "ts" also makes HTA round (its ts column turns float), which
         # changes only fractional durations; finding such events takes the full read.
         raise FastPathMiss("fractional durations")
