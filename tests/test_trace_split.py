@@ -263,6 +263,7 @@ def gloo_run(tmp_path_factory) -> Path:
 
 def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
     ratios: dict[str, list[float]] = {kind: [] for kind in SIZES}
+    own_call: list[float] = []  # reduce_scatter's bandwidth over its own call's
     for rep in range(REPS):
         window = gloo_run / "timing" / f"rep{rep}"
         analysis = analyze_traces(window)
@@ -275,25 +276,31 @@ def test_gloo_bytes_exact_and_bus_bandwidth_matches_perf_counter(gloo_run):
                 assert [b for k, b in zip(instances["kind"], instances["bytes"]) if k == kind] == [size], kind
         for kind, factor in BUS_FACTOR.items():
             # The rank that arrived last waited least: its call time is the transfer plus call overhead.
-            seconds = min(calls[0][kind]["seconds"], calls[1][kind]["seconds"])
+            # gloo runs reduce_scatter_tensor as a clone of the whole input on the calling thread, an all_reduce
+            # of it (the gloo:all_reduce work: the transfer the analyzer times), and a copy of the chunk out. The
+            # copies' share of the call depends on the host (fresh pages for the clone: 1.3x to over 3x the
+            # transfer on this machine), so the transfer's truth is the all_reduce call of the same 32 MiB in the
+            # same window; the reduce_scatter call itself only bounds it (its bandwidth is never above ours).
+            reference = "all_reduce" if kind == "reduce_scatter" else kind
+            seconds = min(calls[0][reference]["seconds"], calls[1][reference]["seconds"])
             measured = SIZES[kind] * factor / seconds / 1e9
             reported = analysis["summary"]["bandwidth"][kind]
             assert reported["bytes"] == SIZES[kind] and reported["count"] == 1
             ratios[kind].append(reported["busbw_gbps"] / measured)
+            if kind == "reduce_scatter":
+                call_s = min(calls[0][kind]["seconds"], calls[1][kind]["seconds"])
+                own_call.append(reported["busbw_gbps"] / (SIZES[kind] * factor / call_s / 1e9))
     # Call by call, then the median: a busy host stretches single calls (thread wake-ups) both ways. (On a
     # host loaded far beyond its cores, load average 5 on 2, the median has reached 1.11: the wake-ups that
     # perf_counter times and the trace's gloo work does not hold grow with the load.)
     for kind, values in ratios.items():
-        ratio = statistics.median(values)
-        if kind == "reduce_scatter":
-            # gloo runs reduce_scatter_tensor as a clone of the whole input on the calling thread,
-            # an all_reduce (the gloo:all_reduce work: the transfer), and a copy of the chunk out.
-            # perf_counter times the copies too, and they run at memcpy speed, so their share
-            # depends on the host's load (measured: 1.3x to 2x). The analyzer rightly leaves them
-            # out: its bandwidth is never below the call's, and not wildly above it.
-            assert 0.9 <= ratio <= 3.0, (kind, values)
-        else:
-            assert ratio == pytest.approx(1.0, abs=0.10), (kind, values)
+        # reduce_scatter's all_reduce runs while the other rank may still clone or copy (two ranks, two cores), the
+        # reference alone: per call 0.61 to 1.81 of the reference's bandwidth, medians of 10 from 0.85 to 1.11 in
+        # five runs on 3 December (the others within 0.98-1.05). Counting the copies as transfer would give about
+        # 0.3 on this machine (the reduce_scatter calls took up to 3.1x the analyzer's transfer).
+        tolerance = 0.30 if kind == "reduce_scatter" else 0.10
+        assert statistics.median(values) == pytest.approx(1.0, abs=tolerance), (kind, values)
+    assert statistics.median(own_call) >= 0.9, own_call  # the copies are not transfer
 
 
 def test_gloo_stall_is_wait_on_the_early_rank(gloo_run):
