@@ -192,6 +192,65 @@ def _write(path: Path, payload, compress=False) -> Path:
     return path
 
 
+def _nccl_args_trace(stretches) -> dict:
+    """Stretches of 40 kernels each, with their launches: "plain" (gemm), "nccl" (NCCL kernels without a
+    collective's args) or "args" (NCCL kernels with them)."""
+    events, correlation = [_step(1, 0, 10_000_000)], 0
+    for number, kind in enumerate(stretches):
+        for k in range(40):
+            correlation += 1
+            ts = 100_000 * number + 1_000 * k
+            stream = 20 if kind != "plain" else 7
+            args = {"stream": stream, "correlation": correlation}
+            if kind == "args":
+                args.update({"Collective name": "allreduce", "In msg nelems": 256 * (k + 1), "Group size": 2,
+                             "dtype": "Float"})
+            events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 0, "tid": 1, "ts": ts,
+                        "dur": 1, "args": {"correlation": correlation}},  # in Kineto's key order, as the regex reads
+                       {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)"
+                        if kind != "plain" else "gemm_kernel", "pid": 0, "tid": stream, "ts": ts + 20, "dur": 300,
+                        "args": args}]
+    return {"schemaVersion": 1, "distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": events}
+
+
+@pytest.mark.parametrize("stretches", [["plain"] * 6 + ["nccl"] * 3 + ["plain"] * 3 + ["args"] * 2 + ["plain"] * 3,
+                                       ["args"] + ["plain"] * 4 + ["args"], ["plain"] * 8])
+def test_fast_scan_looks_for_nccl_args_only_in_regions_with_nccl_kernels_until_it_finds_some(
+        tmp_path, monkeypatch, stretches):
+    """Small chunks make many regions. Until a region shows NCCL kernels with their collective's args, a region
+    looks for those args only when its rows hold an NCCL kernel; the one that first finds them is matched again
+    for their positions. The record equals the full reader's wherever the args first appear."""
+    from dataclasses import asdict
+
+    from shardlight.trace import fastscan
+
+    path = _write(tmp_path / "r0.json", _nccl_args_trace(stretches))
+    looked, regions = [], []
+    original_look, original_region = fastscan._Scanner._has_comm_args, fastscan._Scanner._scan_region
+    monkeypatch.setattr(fastscan._Scanner, "_scan_pieces", lambda *args: pytest.fail("a region was decoded"))
+    monkeypatch.setattr(fastscan._Scanner, "_has_comm_args",
+                        staticmethod(lambda buf, start, end: (looked.append(len(regions) - 1),
+                                                              original_look(buf, start, end))[1]))
+    monkeypatch.setattr(fastscan._Scanner, "_scan_region",
+                        lambda self, buf, start, end, steps: (regions.append(start),
+                                                              original_region(self, buf, start, end, steps)))
+    fast = fastscan.scan_trace(path, 1 << 13)  # chunks of 4 KiB
+    full = reader._read_trace(path)
+    assert {k: v for k, v in asdict(fast).items() if k != "cpu_rows"} == \
+           {k: v for k, v in asdict(full).items() if k != "cpu_rows"}
+    assert len(fast.gpu_args) == 40 * stretches.count("args")
+    assert len(regions) > 2 * len(stretches)  # several regions a stretch
+    looking = sorted(set(looked))  # the regions that looked (the first with args looks before its second match)
+    if "args" not in stretches and "nccl" not in stretches:
+        assert looking == []  # no NCCL kernel: no search at all
+    elif stretches[0] == "args":
+        assert looking == list(range(len(regions)))  # args in the first region: every region looks, as before
+    else:
+        assert min(looking) >= len(regions) * stretches.index("nccl") // len(stretches) - 1  # not before NCCL
+        assert set(range(min(looking), len(regions))) - set(looking)  # nor in the plain stretch after it
+        assert looking[-1] == len(regions) - 1  # once args were seen, every region looks
+
+
 def test_synthetic_trace_metrics_and_last_step_filter(tmp_path):
     path = _write(tmp_path / "r0.json.gz", _synthetic_trace(), compress=True)
     default = analyze_trace_file(path)

@@ -18,12 +18,12 @@ cut into chunks of whole events and each chunk gets:
 occurs (one anywhere makes HTA round the whole file), where the array may end and where
 ``ProfilerStep`` occurs.
 
-Two more kinds of rows are read only where a cheap ``bytes.find`` says a chunk has them, so
-the common chunk pays one C search each:
+Two more kinds of rows are read only where a cheap ``bytes.find`` says a chunk has them:
 
 * the args of NCCL kernels that describe their collective (``"Collective name"``, message sizes,
   process group; :data:`shardlight.trace.records.COMM_ARG_KEYS`): that chunk's regex runs as
-  ``finditer`` and each such kernel's args object is decoded with json;
+  ``finditer`` and each such kernel's args object is decoded with json. Until a file has shown such
+  args, only a chunk whose rows hold an NCCL kernel looks for them (then matched again, once);
 * the input pipeline's ``enumerate(DataLoader)`` annotations, decoded with json like the steps.
 
 No other CPU rows are kept here: :mod:`shardlight.trace.reader` uses this pass only for a file
@@ -207,7 +207,7 @@ def _scan(path: Path, chunk_chars: int, index: int, parts: int,
         raise FastPathMiss("cannot open") from None
     blocks: list[Block] = []
     try:
-        window = Window(chunks)
+        window, hints = Window(chunks), _Hints()
         last = None
         for number in count(index, parts) if claim is None else iter(claim, None):
             if last is not None and number == last + 1:
@@ -217,7 +217,7 @@ def _scan(path: Path, chunk_chars: int, index: int, parts: int,
             last = number
             if begin is None:
                 break  # no event starts after this block's start: the file ended before it
-            blocks.append(_scan_block(window, path, begin, None if parts == 1 else (number + 1) * PART_BLOCK))
+            blocks.append(_scan_block(window, path, begin, None if parts == 1 else (number + 1) * PART_BLOCK, hints))
             if blocks[-1].end is None:
                 break
     # JSON and UTF-8 errors are ValueErrors; OSError, EOFError and INFLATE_ERRORS come from reading.
@@ -228,11 +228,11 @@ def _scan(path: Path, chunk_chars: int, index: int, parts: int,
     return Part(blocks, chunks.float_ts)
 
 
-def _scan_block(window: Window, path: Path, begin: int, stop: int | None) -> Block:
+def _scan_block(window: Window, path: Path, begin: int, stop: int | None, hints: _Hints) -> Block:
     """The events from the window's position, the file's start (``begin`` 0) or an event start, to
     the first event start at or after ``stop`` (None: the end of the file)."""
     block = Block(TraceRecord(path=str(path), rank=0), begin)
-    scanner = _Scanner(block.record)
+    scanner = _Scanner(block.record, hints)
     window.end_at(stop)
     if begin:  # in the middle of the events array
         stopped = scanner.events(window)
@@ -348,9 +348,19 @@ def _texts(raw: tuple[bytes, ...]) -> list[str]:
     return [name.decode() if b"\\" not in name else json.loads(b'"' + name + b'"') for name in raw]
 
 
+@dataclass
+class _Hints:
+    """What a scan has learnt of its file so far, for the regions after."""
+
+    # Whether a region held NCCL kernels with their collective's args (records.COMM_ARG_KEYS): from then
+    # on every region with GPU rows looks for those args before its regex pass (see _Scanner._scan_region).
+    comm_args: bool = False
+
+
 class _Scanner:
-    def __init__(self, record: TraceRecord):
+    def __init__(self, record: TraceRecord, hints: _Hints):
         self.record = record
+        self.hints = hints
         self.collector = Collector(record, cpu_prefixes=(INPUT_PREFIX,))
         # GPU rows read so far whose durations are all ints, while every row was (then it stops counting).
         self.int_durations = 0
@@ -395,7 +405,7 @@ class _Scanner:
         matches = None
         if not correlations:
             rows = []
-        elif streams and any(buf.find(key, start, end) >= 0 for key in _COMM_KEYS):
+        elif streams and self.hints.comm_args and self._has_comm_args(buf, start, end):
             matches = list(_ROWS.finditer(buf, start, end))  # positions, for the NCCL kernels' args
             rows = [match.groups() for match in matches]
         else:
@@ -404,14 +414,27 @@ class _Scanner:
         if len(kernels) != streams or len(rows) != correlations:
             self._scan_pieces(buf, start, end)
             return
-        if kernels:
+        # Until a file shows NCCL kernels with args, a region looks for the args only where its rows hold an
+        # NCCL kernel (most regions of most traces hold none, and the two searches took an eighth of a scan);
+        # the first such region is matched again, for the positions.
+        columns = list(zip(*kernels))  # category, name, ts, dur, correlation (none: no kernels)
+        if (matches is None and not self.hints.comm_args and columns
+                and any(map(bytes.startswith, columns[1], repeat(b"nccl"))) and self._has_comm_args(buf, start, end)):
+            self.hints.comm_args = True
+            matches = list(_ROWS.finditer(buf, start, end))
+            rows = [match.groups() for match in matches]
+        if columns:
             if matches:
                 self._add_comm_args(buf, [match for match in matches if match.group(1)])
-            self._add_kernels(kernels)
-        if len(kernels) < len(rows):
+            self._add_kernels(columns)
+        if len(kernels) < len(rows):  # (rows matched again are the same rows)
             self._add_launches([row for row in rows if not row[0]])
         self._add_steps(buf, start, end, steps)
         self._add_inputs(buf, start, end)
+
+    @staticmethod
+    def _has_comm_args(buf: bytes, start: int, end: int) -> bool:
+        return any(buf.find(key, start, end) >= 0 for key in _COMM_KEYS)
 
     def _add_comm_args(self, buf: bytes, matches: list) -> None:
         """The collective args of the NCCL kernels among the GPU rows ``matches`` (before they are added)."""
@@ -436,8 +459,8 @@ class _Scanner:
             self.collector.add_cpu_row(json.loads(buf[first:last]))
             found = buf.find(_INPUT, last, end)
 
-    def _add_kernels(self, kernels: list) -> None:
-        _, names, stamps, durations, correlations = zip(*kernels)
+    def _add_kernels(self, columns: list) -> None:
+        _, names, stamps, durations, correlations = columns
         stamps, floats = _numbers(stamps)
         if floats:
             self.record.float_timestamps = True
