@@ -130,11 +130,11 @@ def test_fast_scan_reads_what_the_full_reader_reads(set_name, monkeypatch):
     every event gives."""
     from dataclasses import asdict
 
-    from shardlight.trace import fastscan
+    from shardlight.trace import fastscan, regions
 
     slow_chunks = []
-    original = fastscan._Scanner._scan_pieces
-    monkeypatch.setattr(fastscan._Scanner, "_scan_pieces",
+    original = regions.Scanner._scan_pieces
+    monkeypatch.setattr(regions.Scanner, "_scan_pieces",
                         lambda self, buf, start, end: (slow_chunks.append(start), original(self, buf, start, end)))
     for path in sorted((SHARED / set_name).iterdir()):
         full = reader._read_trace(path)
@@ -222,33 +222,33 @@ def test_fast_scan_looks_for_nccl_args_only_in_regions_with_nccl_kernels_until_i
     for their positions. The record equals the full reader's wherever the args first appear."""
     from dataclasses import asdict
 
-    from shardlight.trace import fastscan
+    from shardlight.trace import fastscan, regions
 
     path = _write(tmp_path / "r0.json", _nccl_args_trace(stretches))
-    looked, regions = [], []
-    original_look, original_region = fastscan._Scanner._has_comm_args, fastscan._Scanner._scan_region
-    monkeypatch.setattr(fastscan._Scanner, "_scan_pieces", lambda *args: pytest.fail("a region was decoded"))
-    monkeypatch.setattr(fastscan._Scanner, "_has_comm_args",
-                        staticmethod(lambda buf, start, end: (looked.append(len(regions) - 1),
+    looked, scanned = [], []
+    original_look, original_region = regions.Scanner._has_comm_args, regions.Scanner._scan_region
+    monkeypatch.setattr(regions.Scanner, "_scan_pieces", lambda *args: pytest.fail("a region was decoded"))
+    monkeypatch.setattr(regions.Scanner, "_has_comm_args",
+                        staticmethod(lambda buf, start, end: (looked.append(len(scanned) - 1),
                                                               original_look(buf, start, end))[1]))
-    monkeypatch.setattr(fastscan._Scanner, "_scan_region",
-                        lambda self, buf, start, end, steps: (regions.append(start),
+    monkeypatch.setattr(regions.Scanner, "_scan_region",
+                        lambda self, buf, start, end, steps: (scanned.append(start),
                                                               original_region(self, buf, start, end, steps)))
     fast = fastscan.scan_trace(path, 1 << 13)  # chunks of 4 KiB
     full = reader._read_trace(path)
     assert {k: v for k, v in asdict(fast).items() if k != "cpu_rows"} == \
            {k: v for k, v in asdict(full).items() if k != "cpu_rows"}
     assert len(fast.gpu_args) == 40 * stretches.count("args")
-    assert len(regions) > 2 * len(stretches)  # several regions a stretch
+    assert len(scanned) > 2 * len(stretches)  # several regions a stretch
     looking = sorted(set(looked))  # the regions that looked (the first with args looks before its second match)
     if "args" not in stretches and "nccl" not in stretches:
         assert looking == []  # no NCCL kernel: no search at all
     elif stretches[0] == "args":
-        assert looking == list(range(len(regions)))  # args in the first region: every region looks, as before
+        assert looking == list(range(len(scanned)))  # args in the first region: every region looks, as before
     else:
-        assert min(looking) >= len(regions) * stretches.index("nccl") // len(stretches) - 1  # not before NCCL
-        assert set(range(min(looking), len(regions))) - set(looking)  # nor in the plain stretch after it
-        assert looking[-1] == len(regions) - 1  # once args were seen, every region looks
+        assert min(looking) >= len(scanned) * stretches.index("nccl") // len(stretches) - 1  # not before NCCL
+        assert set(range(min(looking), len(scanned))) - set(looking)  # nor in the plain stretch after it
+        assert looking[-1] == len(scanned) - 1  # once args were seen, every region looks
 
 
 def test_synthetic_trace_metrics_and_last_step_filter(tmp_path):
