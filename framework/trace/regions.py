@@ -155,7 +155,7 @@ class Scanner:
             self._scan_pieces(buf, start, end)
             return
         # Until a file shows NCCL kernels with args, a region looks for the args only where its rows hold an
-        # NCCL kernel (most regions of most traces hold none, and the two searches took an eighth of a scan);
+        # NCCL kernel (most regions of most traces hold none, and the two searches took about 6% of a scan);
         # the first such region is matched again, for the positions.
         columns = list(zip(*kernels))  # category, name, ts, dur, correlation (none: no kernels)
         if (matches is None and not self.hints.comm_args and columns
