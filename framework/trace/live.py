@@ -37,7 +37,7 @@ from typing import Any
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.analysis import _analyze
-from shardlight.trace.records import Collector, TraceRecord, as_int
+from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, TraceRecord, as_int
 from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES
 
 __all__ = ["KINETO_BASE_PERIOD_S", "analyze_profile", "distributed_info", "kineto_base_ns", "profile_record"]
@@ -46,7 +46,7 @@ __all__ = ["KINETO_BASE_PERIOD_S", "analyze_profile", "distributed_info", "kinet
 KINETO_BASE_PERIOD_S = 7889238
 _PARAM_COMMS = "record_param_comms"
 # The args the Collector reads of a row that is neither kept by prefix nor a step marker.
-_ARG_MARKERS = ('"stream"', '"correlation"')
+_STREAM, _CORRELATION = '"stream"', '"correlation"'
 _ASK = object()
 # Activity types whose own correlation id the exporter does not write as "External id".
 _NO_EXTERNAL_ID = frozenset({"gpu_memcpy", "gpu_memset", "kernel", "cuda_runtime", "cuda_driver",
@@ -147,20 +147,24 @@ def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _A
     for act in results.trace_activities():
         name = act.name()
         md = act.metadata_json()
-        if not (name.startswith(kept) or "ProfilerStep" in name or any(m in md for m in _ARG_MARKERS)):
+        marked = _STREAM in md or _CORRELATION in md
+        if not (marked or name.startswith(kept) or "ProfilerStep" in name):
             continue  # the Collector keeps nothing of it
         cat = act.type()
+        ts, dur = max(act.timestamp() - base, 0) / 1000, max(act.duration(), 0) / 1000
+        if not marked and cat not in ("kernel", "Trace") and not name.startswith(with_args) \
+                and "ProfilerStep" not in name and name not in SYNC_EVENT_NAMES:
+            # Most of a CPU window's rows (its operators): a CPU row and nothing else, without an event dict.
+            collector.add_plain_cpu_row(name, cat, ts, dur, _tid(act.resource_id()))
+            continue
         linked = None
         if cat == "kernel":
             linked = act.linked_activity()
             if linked is not None and linked.name() != _PARAM_COMMS:
                 linked = None
-        if name.startswith(with_args) or linked is not None or any(m in md for m in _ARG_MARKERS):
-            args = _args(act, cat, md, linked)
-        else:
-            args = {}
-        add({"ph": "X", "cat": cat, "name": name, "tid": _tid(act.resource_id()),
-             "ts": max(act.timestamp() - base, 0) / 1000, "dur": max(act.duration(), 0) / 1000, "args": args})
+        args = _args(act, cat, md, linked) if marked or linked is not None or name.startswith(with_args) else {}
+        add({"ph": "X", "cat": cat, "name": name, "tid": _tid(act.resource_id()), "ts": ts, "dur": dur,
+             "args": args})
     return record
 
 

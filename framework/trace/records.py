@@ -129,6 +129,7 @@ class Collector:
         self._args_prefixes = tuple(args_prefixes)
         for prefix in self._prefixes:
             record.cpu_rows.setdefault(prefix, [])
+        self._lists_of: dict[str, tuple[list, ...]] = {}  # a name -> the cpu_rows lists of its prefixes
 
     def add(self, event: Any, step_only: bool = False) -> None:
         """Apply one decoded event; ``step_only`` applies just its ProfilerStep part.
@@ -195,6 +196,20 @@ class Collector:
             return  # a device row or a launch call: the regexes read those
         if isinstance(name, str) and "ProfilerStep" not in name and name.startswith(self._prefixes):
             self._keep_cpu_row(name, cat, ts, dur, event.get("tid"), args)
+
+    def add_plain_cpu_row(self, name: str, cat: str, ts: float, dur: float, tid: Any) -> None:
+        """``add`` of an event with float ``ts`` and ``dur``, a ``cat`` other than "Trace" and no args the
+        Collector reads (no stream, no correlation), whose name holds no "ProfilerStep", is no sync event
+        and starts with no ``args_prefixes``: a CPU row, kept under the prefixes its name starts with. The
+        live reader calls this for most of a window's operators, without building their event dicts."""
+        lists = self._lists_of.get(name)
+        if lists is None:
+            lists = self._lists_of[name] = tuple(
+                self.record.cpu_rows[prefix] for prefix in self._prefixes if name.startswith(prefix))
+        if lists:
+            row = CpuRow(name, cat, ts, dur, tid)
+            for rows in lists:
+                rows.append(row)
 
     def _keep_cpu_row(self, name: str, cat: Any, ts: Any, dur: Any, tid: Any, args: Any) -> None:
         keep_args = isinstance(args, dict) and bool(self._args_prefixes) and name.startswith(self._args_prefixes)
