@@ -8,30 +8,10 @@ does, is only begun: the profiler stops as it starts) and analyses it from the p
 trace analyzer (:mod:`shardlight.trace.live`: the same analysis as ``shardlight analyze`` of the window's
 trace file, without writing and parsing one): NCCL kernels on GPU, gloo work on CPU. It then writes the
 window's trace to ``run_dir/traces/step_<N>/rank<R>.pt.trace.json`` for offline use (``save_traces``).
-The per-rank results are gathered to rank 0, which logs per step of the window (ms per step):
-
-* aggregated (mean over ranks): ``comm/all_gather_ms``, ``comm/reduce_scatter_ms``, ``comm/all_reduce_ms``,
-  ``comm/total_ms``, ``comm/exposed_ms``, ``comm/overlap_pct``, ``comm/compute_ms``, ``comm/ratio``
-  (communication / computation time), ``step/time_ms``; each also as ``<key>_min``/``_max``/``_mean``;
-* ``comm/slowest_rank``: the rank holding the cross-rank maximum of ``comm/total_ms``
-  (``comm/total_ms_max``) — usually the rank that *waits* most, not the one it waits for (that is
-  ``comm/straggler_rank`` below); ``step/slowest_rank`` likewise for ``step/time_ms``;
-* per rank (``per_rank``): ``comm/rank<R>/<name>`` and ``step/rank<R>/time_ms``;
-* where the communication time went, from the ranks' traces matched collective by collective
-  (``shardlight.trace.combine``): ``comm/wait_ms`` (waiting for the last rank to arrive) and
-  ``comm/transfer_ms`` (moving bytes once all are there), ``comm/exposed_wait_ms`` and
-  ``comm/exposed_transfer_ms`` (the parts not hidden behind compute), ``input/wait_ms`` (host time waiting
-  for the next batch), aggregated and per rank like the others; ``comm/<collective>_busbw_gbps`` (bus
-  bandwidth, nccl-tests conventions; on CPU only with ``record_shapes``); ``comm/straggler_rank``: the rank
-  the others wait for;
-* what the windows cost (``_comm_schedule``): ``comm/window_cost_ms`` (a window's wall time above as many
-  typical steps, ``comm/typical_step_ms``; the largest over the ranks), ``comm/overhead_pct`` (all windows'
-  cost so far over the training time) and ``comm/next_window_step``, the earliest start that keeps the
-  windows within ``overhead_budget``; logged 8 steps after each window's gather, when the ranks agree on it;
-* the window's verdict (``shardlight.diagnosis``): ``diagnosis/*`` shares of the step, and one console line,
-  e.g. ``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
-  headroom 22.1 GB (rank 1)``. The latest window's combined analysis stays in ``Shared.findings`` for the
-  end-of-run verdict. ``diagnosis.enabled: false`` keeps the split and bandwidth metrics, without the verdict.
+The per-rank results are gathered to rank 0, which logs the window's metrics and prints its verdict
+(:mod:`shardlight.callbacks._comm_report` lists the keys); what the windows cost is logged 8 steps after
+each window's gather, when the ranks agree on it (``comm/window_cost_ms``, ``comm/overhead_pct``,
+``comm/next_window_step``: :mod:`shardlight.callbacks._comm_schedule`).
 
 Re-analyse a window offline with ``shardlight analyze run_dir/traces/step_<N>/``: it drops the last
 recorded step as this callback does (HTA's rule), so both report the same communication time.
@@ -53,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -61,30 +41,22 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from shardlight.callbacks._comm_metrics import (
-    METRIC_KEYS,
-    bandwidth_metrics,
-    group_metric_keys,
-    split_metrics,
-    window_metrics,
-)
+from shardlight.callbacks._comm_metrics import window_metrics
+from shardlight.callbacks._comm_report import WindowReport
 from shardlight.callbacks._comm_schedule import WindowSchedule
 from shardlight.callbacks._common import (
     Findings,
     RankTable,
     Shared,
-    aggregate,
     define_wandb_group,
     gather_to_zero,
     log_metrics,
-    per_rank_key,
     rank,
 )
 from shardlight.diagnosis import Config as DiagnosisConfig
-from shardlight.diagnosis import Diagnosis, diagnose, window_line
 from shardlight.errors import warn
 from shardlight.runtime import RunContext
-from shardlight.trace import analyze_trace_file, combine
+from shardlight.trace import analyze_trace_file
 from shardlight.trace.live import analyze_profile, distributed_info, has_live_events
 
 TRACE_DIR = "traces"
@@ -183,15 +155,14 @@ class CommTimeCallback(Callback):
         # Steps run under the profiler in full: the last active step only begins (see on_train_batch_end).
         self.full_steps = max(1, self.length - 1)
         self.schedule = WindowSchedule(every_n_steps, self.first_step, self.length, overhead_budget)
-        self.per_rank = per_rank
         self.keep_windows = keep_windows
         self.table = table
         self.gather_delay = gather_delay
         self.record_shapes = record_shapes
-        self.print_windows = print_windows
         self.findings = findings if findings is not None else Findings()
-        self.diagnosis = diagnosis if diagnosis is not None else DiagnosisConfig()
-        self.micro_batch_size = micro_batch_size
+        self.report = WindowReport(per_rank=per_rank, table=table, findings=self.findings,
+                                   diagnosis=diagnosis if diagnosis is not None else DiagnosisConfig(),
+                                   micro_batch_size=micro_batch_size, print_windows=print_windows)
         self.tp_size = tp_size
         self.save_traces = save_traces
         self._exports: List[threading.Thread] = []  # window threads that may still be writing their trace
@@ -403,7 +374,7 @@ class CommTimeCallback(Callback):
         results = gather_to_zero(local)  # only rank 0 reads the others' results
         self.schedule.window_gathered()
         if trainer.is_global_zero:
-            self._log(trainer, window, results)
+            self.report.log(trainer, window, results)
             self._prune(window)
         if self.schedule.agree_due(trainer.global_step):
             self._agree(trainer)
@@ -421,79 +392,6 @@ class CommTimeCallback(Callback):
         if share is not None:
             metrics["comm/overhead_pct"] = 100.0 * share
         log_metrics(trainer, metrics, step=trainer.global_step)
-
-    def _log(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
-        failed = [r for r, res in enumerate(results) if "metrics" not in res]
-        if failed:
-            reasons = "; ".join(f"rank {r}: {results[r].get('error')}" for r in failed[:4])
-            warn(f"comm window at step {window['start']}: no result from rank(s) {failed} ({reasons})")
-        per_rank = [res.get("metrics") for res in results]
-        if all(m is None for m in per_rank):
-            return
-        verdict, diagnosis = self._diagnose(trainer, window, results, per_rank)
-        metrics = aggregate(METRIC_KEYS + tuple(group_metric_keys(per_rank)), per_rank, worst="mean")
-        for key, slow_key in (("comm/total_ms", "comm/slowest_rank"), ("step/time_ms", "step/slowest_rank")):
-            candidates = [(m[key], r) for r, m in enumerate(per_rank) if m is not None and key in m]
-            if candidates:
-                metrics[slow_key] = float(max(candidates)[1])
-        for r, m in enumerate(per_rank):
-            if m is None:
-                continue
-            if self.per_rank:
-                metrics.update({per_rank_key(k, r): v for k, v in m.items() if k in METRIC_KEYS})
-            if self.table is not None:
-                self.table.update(r, {k: m.get(k) for k in METRIC_KEYS})
-        metrics["comm/window_start_step"] = float(window["start"])
-        if verdict is not None:
-            metrics.update(verdict)
-        log_metrics(trainer, metrics, step=window["end"])
-        if diagnosis is not None and self.print_windows:
-            self._print(trainer, window_line(window["end"], diagnosis))
-
-    def _diagnose(self, trainer: pl.Trainer, window: Dict[str, Any], results: List[Dict[str, Any]],
-                  per_rank: List[Optional[Dict[str, float]]]) -> Tuple[Dict[str, float], Optional[Diagnosis]]:
-        """Match the ranks' collectives (wait vs transfer) and, with ``diagnosis.enabled``, diagnose the window:
-        the bandwidth and verdict metrics, and the verdict (None when off or failed).
-
-        Rank 0's main thread does this, after the gather (about 2 ms for 2 ranks of the default recipe): the
-        cross-rank match needs every rank's payload. The split metrics go into ``per_rank`` (each rank's dict).
-        A failure here is a warning: the window's plain comm metrics are still logged.
-        """
-        analyses = {str(r): res["analysis"] for r, res in enumerate(results) if "analysis" in res}
-        try:
-            analysis = combine(analyses, link_peak_gbps=self.diagnosis.link_peak_gbps)
-        except Exception as exc:  # noqa: BLE001 - the analysis must never stop training
-            warn(f"comm window at step {window['start']}: no cross-rank split ({type(exc).__name__}: {exc})")
-            return {}, None
-        for r, metrics in enumerate(per_rank):
-            rank_result = analysis["ranks"].get(str(r))
-            if metrics is not None and rank_result is not None:
-                metrics.update(split_metrics(rank_result))
-        self.findings.analysis = analysis
-        out = bandwidth_metrics(analysis["summary"])
-        if not self.diagnosis.enabled:
-            return out, None
-        try:
-            diagnosis = diagnose(
-                analysis, memory=self.findings.memory or None, throughput=self.findings.throughput or None,
-                wrap=getattr(trainer.strategy, "wrap_report", None), config=self.diagnosis,
-                micro_batch_size=self.micro_batch_size,
-            )
-        except Exception as exc:  # noqa: BLE001 - the diagnosis must never stop training
-            warn(f"comm window at step {window['start']}: no diagnosis ({type(exc).__name__}: {exc})")
-            return out, None
-        out.update({k: v for k, v in diagnosis.summary_metrics().items() if isinstance(v, (int, float))})
-        if diagnosis.straggler_rank is not None:  # only when the window is straggler-bound
-            out["comm/straggler_rank"] = float(diagnosis.straggler_rank)
-        return out, diagnosis
-
-    @staticmethod
-    def _print(trainer: pl.Trainer, line: str) -> None:
-        bar = trainer.progress_bar_callback
-        if bar is not None and hasattr(bar, "print"):
-            bar.print(line)  # above a live progress bar, not through it
-        else:
-            print(line, flush=True)
 
     def _prune(self, window: Dict[str, Any]) -> None:
         if window.get("file") is None:
