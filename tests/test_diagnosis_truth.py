@@ -82,11 +82,13 @@ def test_a_straggler_is_named_and_the_others_wait_for_it(baseline, tmp_path):
     extra_wait = last(rows, "comm/rank0/wait_ms") - last(base_rows, "comm/rank0/wait_ms")
     assert STALL_MS * 0.85 <= extra_wait <= STALL_MS * 1.15, extra_wait
     assert last(rows, "comm/rank1/wait_ms") < 0.15 * STALL_MS
-    # The stall lands in wait, not in transfer: the bytes move about as fast as without it. Transfer here is tens
-    # of ms per step over loopback, and on a loaded 2-core machine it varies by more than 20% from run to run
-    # (seen: 20 and 54 ms in two baseline runs), so the bound is 20% or a tenth of the stall, whichever is larger.
+    # The stall lands in wait, not in transfer: the transfer does not grow by it. Transfer here is tens of ms per
+    # step over loopback and varies severalfold between runs on a loaded 2-core machine (seen in baseline runs:
+    # 20, 54 and 86 ms; the last against 19 ms in the stall run), so the bound is one-sided: 20% or a tenth of the
+    # stall, whichever is larger. Transfer mistaken for wait the other way shows in the wait checks above
+    # (rank 1's wait under 0.15 of the stall, rank 0's extra wait within 0.15 of it).
     transfer, base_transfer = last(rows, "comm/transfer_ms_mean"), last(base_rows, "comm/transfer_ms_mean")
-    assert abs(transfer - base_transfer) <= max(0.2 * base_transfer, 0.1 * STALL_MS), (transfer, base_transfer)
+    assert transfer - base_transfer <= max(0.2 * base_transfer, 0.1 * STALL_MS), (transfer, base_transfer)
     # the straggler's cause is its compute, not its input
     assert diagnosis["straggler_cause"] == "compute", diagnosis
     assert "straggler-bound" in result.stdout  # the window's line and the end panel
