@@ -8,7 +8,6 @@ are set to the allocation. The job resumes with ``resume=auto`` from its own run
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import shlex
 import shutil
@@ -110,6 +109,8 @@ def train_command() -> List[str]:
 
 
 def _version() -> str:
+    import importlib.metadata  # about 25 ms: for the job script only, not for every command that imports this
+
     try:
         return importlib.metadata.version("shardlight")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed

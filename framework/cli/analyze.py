@@ -6,9 +6,6 @@ import argparse
 
 from shardlight.errors import ShardlightError
 from shardlight.files import write_json
-from shardlight.trace.analysis import analyze_traces
-from shardlight.trace.chunks import keep_heap_top
-from shardlight.trace.report import format_split, format_summary, format_table, write_plot
 
 ANALYZE_HELP = "communication vs computation per rank from PyTorch profiler traces (HTA-compatible)"
 ANALYZE_DESCRIPTION = """\
@@ -56,6 +53,11 @@ def run_analyze(args) -> int:
         raise ShardlightError(f"--link-peak-gbps must be a positive GB/s figure, got {args.link_peak_gbps}")
     if args.workers is not None and args.workers < 1:
         raise ShardlightError(f"--workers must be 1 or more, got {args.workers}")
+    # numpy and the analyzer (about 150 ms of imports) for this command only, not for every command's parser
+    from shardlight.trace.analysis import analyze_traces
+    from shardlight.trace.chunks import keep_heap_top
+    from shardlight.trace.report import format_split, format_summary, format_table, write_plot
+
     keep_heap_top()  # this process only reads traces: see chunks.keep_heap_top
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
                               link_peak_gbps=args.link_peak_gbps, workers=args.workers)

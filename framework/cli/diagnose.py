@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from shardlight.diagnosis import render_panel, write_report
-from shardlight.diagnosis.run_inputs import RunInputs, load_run_inputs
 from shardlight.errors import ShardlightError, first_line
 from shardlight.files import write_json
+
+if TYPE_CHECKING:
+    from shardlight.diagnosis.run_inputs import RunInputs
 
 DIAGNOSE_HELP = "say what bounds a run's step time (communication, a straggler, input, memory, host) and what to try"
 
@@ -53,6 +54,10 @@ def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
+    # The diagnosis and the analyzer under it (numpy: about 190 ms of imports) for this command only
+    from shardlight.diagnosis import render_panel, write_report
+    from shardlight.diagnosis.run_inputs import load_run_inputs
+
     path = Path(args.path)
     inputs = load_run_inputs(path, metrics=_metrics(path if (path / "csv").is_dir() else None))
     alternatives, note = planner_alternatives(inputs)
