@@ -128,7 +128,7 @@ def test_refused_run_leaves_one_line_and_no_standby(tmp_path, case, args, fragme
     assert time.time() - started < 100
 
 
-def test_the_parser_imports_no_command_s_work():
+def test_building_the_parser_imports_none_of_the_commands_work():
     """Every command's parser is built at every start (a standby rank's too, before it starts its imports), so it
     imports none of the commands' work: not torch, nor numpy, the analyzer or the diagnosis (about 170 ms), nor
     importlib.metadata (25 ms, for the SLURM job script's version line)."""
