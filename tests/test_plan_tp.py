@@ -5,9 +5,11 @@ exact against the formula and against what torch's ColwiseParallel/RowwiseParall
 mesh."""
 
 import json
+import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlight.cli import main
 from shardlight.planner.estimate import Workload, estimate, make_cluster, tp_allreduces, tp_candidates
@@ -130,13 +132,28 @@ def test_tp_allreduce_bytes_are_4_x_layers_x_batch_x_seq_x_hidden_for_the_fused_
         assert tp_allreduces(spec, work, True)["count"] == 2 * 6 * 3
 
 
+class AllReduceCounter(TorchDispatchMode):
+    """Counts the all-reduces DTensor issues (functional collectives, seen at dispatch), as CommDebugMode does
+    without its module tracker. That tracker breaks on the module-level function modules transformers >= 5.25
+    calls inside attention (``kernels``' ``Func``, one object shared by every model), and the forward hook it
+    then leaves on that object breaks every later forward in the process."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_reduce" in str(func.overloadpacket):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_tp_allreduce_count_is_what_torch_issues_for_llama():
     """Llama's plan: o_proj, down_proj row-sharded (2 forward all-reduces per block); q, k, v, gate, up
     column-sharded, and torch's ColwiseParallel all-reduces each one's input gradient (5 in backward), so the
     planner's count is 7 per block and micro-batch, as a fake 2-rank group running shardlight's TP counts."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
 
@@ -151,18 +168,15 @@ def test_tp_allreduce_count_is_what_torch_issues_for_llama():
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         apply_tensor_parallel(model, ParallelDims(1, 1, 2), init_device_mesh("cpu", (2,)))
-        with CommDebugMode() as forward:
+        with AllReduceCounter() as forward:
             logits = model(input_ids=torch.randint(0, 4096, (2, 16))).logits
-        with CommDebugMode() as backward:
+        with AllReduceCounter() as backward:
             logits.float().sum().backward()
     finally:
         dist.destroy_process_group()
 
-    def all_reduces(mode):
-        return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
-
-    assert all_reduces(forward) == expected["forward"] * spec.num_layers
-    assert all_reduces(backward) == expected["backward"] * spec.num_layers
+    assert forward.count == expected["forward"] * spec.num_layers
+    assert backward.count == expected["backward"] * spec.num_layers
     assert expected["count"] == 7 * spec.num_layers
     assert expected["bytes"] == expected["count"] * 2 * 16 * 128 * 4
 
@@ -193,7 +207,11 @@ def test_fake_step_on_a_tp_mesh_holds_the_tp_shards():
 
     spec = model_spec(hf(TINY_LLAMA))
     # tp 2 on 2 ranks: one data-parallel rank, so FSDP keeps whole (TP-local) parameters: exact bytes.
-    step = step_memory(hf(TINY_LLAMA), 2, "FULL_SHARD", False, "32-true", 2, 64, tp=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = step_memory(hf(TINY_LLAMA), 2, "FULL_SHARD", False, "32-true", 2, 64, tp=2)
+    # transformers >= 5.25's nested function modules set ModTracker's hierarchy warning off; the plan says nothing.
+    assert not [w for w in caught if "hierarchy" in str(w.message)]
     assert step["peak_by_category"]["params"] == spec.tp_local_params(2)[2] * 4
     no_tp = step_memory(hf(TINY_LLAMA), 2, "FULL_SHARD", False, "32-true", 2, 64)
     assert step["activations"] < no_tp["activations"]
