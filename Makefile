@@ -5,19 +5,29 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardlight-installed
 
-.PHONY: setup train test lint bench clean docs
+.PHONY: setup lock train test lint bench clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The other packages at the versions the suite last passed with (.ci/constraints.txt, `make lock` writes it):
+# a new release that breaks something (transformers 5.25 did, on 3 December 2026) breaks no set-up and no CI
+# run until the lock is moved on purpose. pyproject.toml keeps the ranges a wheel's users get. To try the
+# newest within them: `make setup CONSTRAINTS= VENV=.venv-new`, then `make test` and `make lock` with that VENV.
+CONSTRAINTS ?= .ci/constraints.txt
+
 # torch first, from its own spec: a plain `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Every installed package but torch (TORCH_SPEC's) and shardlight itself, pinned.
+lock: setup
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v -i -e '^torch==' -e '^shardlight' | sort -f > .ci/constraints.txt
 
 train: setup
 	WANDB_SILENT=true $(BIN)/shardlight train $(RECIPE) $(ARGS)

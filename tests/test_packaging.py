@@ -83,3 +83,25 @@ def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
     assert "shardlight: 3 steps" in result.stdout
     (run_dir,) = (work / "runs" / "tiny-llama-sft").iterdir()
     assert (run_dir / "model" / "config.json").is_file() and (run_dir / "summary.json").is_file()
+
+
+def test_the_lock_pins_every_requirement_inside_pyprojects_ranges():
+    """`make setup` installs with .ci/constraints.txt: each requirement of pyproject.toml (dev extras too) but
+    torch (TORCH_SPEC's) is pinned there at a version its range allows, and neither torch nor shardlight is."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    required = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    pins = {}
+    for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines():
+        name, _, version = line.partition("==")
+        assert version, f"not a pin: {line!r}"
+        pins[canonicalize_name(name)] = version
+    assert not {"torch", "shardlight"} & set(pins)
+    for req in required:
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            continue
+        assert name in pins, f"{req.name} is not pinned in .ci/constraints.txt (make lock)"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} is outside {req}"
