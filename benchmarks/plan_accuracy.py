@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from shardlight.planner.estimate import Workload, estimate, make_cluster
+from shardlight.planner.estimate import estimate
 from shardlight.planner.fake_step import (
     build_sharded_model,
     make_optimizer,
@@ -59,6 +59,7 @@ from shardlight.planner.fake_step import (
     strategy_mesh,
     tp_meshes,
 )
+from shardlight.planner.inputs import Workload, make_cluster
 from shardlight.planner.model_spec import model_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

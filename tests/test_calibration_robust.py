@@ -16,7 +16,7 @@ import pytest
 from shardlight.callbacks.comm import CommTimeCallback
 from shardlight.cli import main
 from shardlight.planner import calibration as cal
-from shardlight.planner.estimate import Workload
+from shardlight.planner.inputs import Workload
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.profile import sweep_overrides, window_schedule
 from shardlight.recipe import load_recipe

@@ -11,7 +11,7 @@ import pytest
 import shardlight.planner
 from shardlight.cli import main
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import OPTIMIZERS, parse_memory
+from shardlight.planner.inputs import OPTIMIZERS, parse_memory
 from shardlight.planner.plan import (
     ClusterOptions,
     WorkloadOptions,

@@ -19,7 +19,7 @@ from shardlight.planner.calibration import (
     predict,
     trace_window,
 )
-from shardlight.planner.estimate import Workload
+from shardlight.planner.inputs import Workload
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.plan import spec_from_recipe, workload_from_recipe
 from shardlight.recipe import load_recipe

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlight.cli import main
-from shardlight.planner.estimate import Workload, estimate, make_cluster, tp_allreduces, tp_candidates
+from shardlight.planner.estimate import estimate, tp_allreduces, tp_candidates
+from shardlight.planner.inputs import Workload, make_cluster
 from shardlight.planner.model_spec import model_spec
 from shardlight.planner.recommend import TIE, per_token
 

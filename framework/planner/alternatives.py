@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from shardlight.errors import first_line
-from shardlight.planner.estimate import parse_memory
+from shardlight.planner.inputs import parse_memory
 from shardlight.planner.plan import (
     ClusterOptions,
     WorkloadOptions,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import Cluster, Workload
 from shardlight.planner.fake_step import step_memory
+from shardlight.planner.inputs import Cluster, Workload
 from shardlight.planner.recommend import choose, label
 
 FAKE_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")

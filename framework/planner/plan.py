@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
 from shardlight.planner.calibration import apply_to_rows, check_matches
-from shardlight.planner.estimate import Cluster, Workload, estimate_all, estimate_tp, make_cluster, tp_skipped
+from shardlight.planner.estimate import estimate_all, estimate_tp, tp_skipped
+from shardlight.planner.inputs import Cluster, Workload, make_cluster
 from shardlight.planner.measured import StepModel, measure_rows, measure_tp_contenders
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
@@ -48,7 +49,7 @@ class WorkloadOptions:
     accumulate_grad_batches: Optional[int] = None
     precision: Optional[str] = None
     param_dtype: Optional[str] = None
-    optimizer: Optional[str] = None        # one of estimate.OPTIMIZERS
+    optimizer: Optional[str] = None        # one of inputs.OPTIMIZERS
     peft: Optional[str] = None             # "none" (full fine-tuning), "lora" or "qlora"
     lora_r: Optional[int] = None
 

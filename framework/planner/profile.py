@@ -24,7 +24,8 @@ from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.planner import report
 from shardlight.planner.alternatives import alternatives_from_plan
-from shardlight.planner.estimate import GB, STRATEGIES, make_cluster
+from shardlight.planner.estimate import STRATEGIES
+from shardlight.planner.inputs import GB, make_cluster
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.plan import (
     ClusterOptions,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from shardlight.planner.estimate import GB, Cluster
+from shardlight.planner.inputs import GB, Cluster
 
 TIE = 0.03
 # Parameters per FSDP unit that keep all-gathers big enough to reach bus bandwidth yet small enough to

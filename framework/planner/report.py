@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from shardlight.errors import warn
-from shardlight.planner.estimate import GB
+from shardlight.planner.inputs import GB
 
 COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
            "comm_overlapped_ms", "comm_exposed_ms", "peak_gb", "params_gb", "grads_gb", "optim_gb",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from shardlight.launch.base import without_run_env
-from shardlight.planner.estimate import GB
+from shardlight.planner.inputs import GB
 
 COMPARED = ("params", "grads", "optim")
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.planner.calibration import apply_to_rows, calibrate, step_time_check
-from shardlight.planner.estimate import Cluster, Workload
+from shardlight.planner.inputs import Cluster, Workload
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.recommend import recommend
 
