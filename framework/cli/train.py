@@ -42,6 +42,13 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         if standby is not None:
             standby.cancel()
+    # This rank's collectives are over: shut its process group down while the interpreter is whole (torch's
+    # advice). Left to interpreter exit, gloo's threads can outlive what they hold and abort the rank ("terminate
+    # called without an active exception", pytorch#190489), and under srun one aborted task fails the whole job.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     # A run stopped by a non-finite loss or gradient norm has said so on stderr (rank 0); it failed.
     return 1 if summary.get("stopped") else 0
 
