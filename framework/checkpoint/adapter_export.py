@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from shardlight.adapters import ADAPTER_NAME, is_adapter_model
+from shardlight.adapters import ADAPTER_NAME, is_adapter_model, quantization_config
 from shardlight.checkpoint import export as full_export
 from shardlight.checkpoint.export import (
     EXPORT_CHECK_FILE,
@@ -53,17 +53,25 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _max_abs_diff(model: torch.nn.Module, input_ids: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((model(input_ids=input_ids).logits.float() - reference).abs().max())
+    return float((model(input_ids=input_ids).logits.float().cpu() - reference).abs().max())
 
 
 @torch.no_grad()
 def export_adapter_and_verify(model: Any, tokenizer: Optional[Any], out_dir: Path, reference_logits: torch.Tensor,
-                              *, base_model: Optional[str], merge: bool) -> Dict[str, Any]:
+                              *, base_model: Optional[str], merge: bool, quantization: Optional[Any] = None,
+                              device: Optional[torch.device] = None) -> Dict[str, Any]:
     """``model``: the trained ``PeftModel`` with real weights (it is consumed: the base copy or the merge may
-    change it). ``base_model``: the pretrained base to reference, or None to write ``base/``. Returns the
-    report (``max_abs_diff``: the worse of the adapter's and the merged model's)."""
+    change it); with ``quantization`` only its adapters need be real (the base may be on the meta device).
+    ``base_model``: the pretrained base to reference, or None to write ``base/``. ``quantization``: the
+    transformers quantization config the run loaded its base with (QLoRA's 4 bits): the check reloads the base
+    the same way, on ``device`` (bitsandbytes quantizes when the weights reach the GPU), since a full-precision
+    base is not the model that was trained. Returns the report (``max_abs_diff``: the worse of the adapter's
+    and the merged model's)."""
     from peft import PeftModel
 
+    if quantization is not None and (base_model is None or merge):
+        raise ShardlightError("an adapter on a quantized base is exported against its pretrained base "
+                              "(model.name_or_path), without --merge")
     refuse_nonfinite(model.state_dict())
     out_dir = Path(out_dir)
     adapter_dir, base_dir, merged_dir = out_dir / ADAPTER_DIR, out_dir / BASE_DIR, out_dir / MERGED_DIR
@@ -82,10 +90,14 @@ def export_adapter_and_verify(model: Any, tokenizer: Optional[Any], out_dir: Pat
     check_file = out_dir / EXPORT_CHECK_FILE
     save_file({"input_ids": input_ids, "logits": reference}, str(check_file))
 
-    base = AutoModelForCausalLM.from_pretrained(base_model or str(base_dir), dtype=torch.float32)
+    if quantization is None:
+        base = AutoModelForCausalLM.from_pretrained(base_model or str(base_dir), dtype=torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, quantization_config=quantization,
+                                                    device_map={"": device or "cpu"})
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     report: Dict[str, Any] = {"out": str(out_dir), "adapter_dir": str(adapter_dir), "check_file": str(check_file),
-                              "adapter_max_abs_diff": _max_abs_diff(reloaded, input_ids, reference),
+                              "adapter_max_abs_diff": _max_abs_diff(reloaded, input_ids.to(base.device), reference),
                               "merged_dir": None, "merged_max_abs_diff": None, "tolerance": EXPORT_TOLERANCE}
     if merge:
         reloaded.merge_and_unload().save_pretrained(str(merged_dir))
@@ -108,6 +120,36 @@ def _peft_on_meta(config: Any, peft_config: Any) -> Any:
         return get_peft_model(base, copy.deepcopy(peft_config))
 
 
+def adapter_weights(model: Any, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Of a gathered PEFT state dict, the entries of ``model``'s trainable parameters (the adapters and
+    ``modules_to_save``: what the adapter file holds). For a quantized base (QLoRA) they are all the export
+    takes: the base's gathered entries are bitsandbytes' packed 4-bit storage and quantization state
+    (``weight`` as ``[n, 1]``, ``weight.absmax``, ``weight.quant_map``, ...), which fit no full-precision
+    module, and the base is referenced by name anyway."""
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    missing = [name for name in trainable if name not in weights]
+    if missing:
+        raise ShardlightError(f"export is missing adapter weights: {', '.join(missing[:5])}")
+    return {name: weights[name] for name in trainable}
+
+
+def export_adapter_state(state: Dict[str, torch.Tensor], *, config: Any, peft_config: Any, tokenizer: Optional[Any],
+                         out_dir: Path, reference_logits: torch.Tensor, base_model: Optional[str],
+                         quantization: Optional[Any], device: Optional[torch.device]) -> Dict[str, Any]:
+    """A gathered PEFT LightningModule state dict (emptied here) → ``out_dir/adapter``, verified by
+    ``export_adapter_and_verify``. Without ``quantization`` every weight must fit the architecture; with it
+    (QLoRA) only the adapters are taken and the base stays on the meta device."""
+    model = _peft_on_meta(config, peft_config)
+    weights = {k[len(MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
+    if quantization is None:
+        model.load_state_dict(weights, strict=True, assign=True)
+    else:
+        model.load_state_dict(adapter_weights(model, weights), strict=False, assign=True)
+    state.clear()
+    return export_adapter_and_verify(model, tokenizer, out_dir, reference_logits, base_model=base_model,
+                                     merge=False, quantization=quantization, device=device)
+
+
 # ---------------------------------------------------------------- from the live run
 def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
     """The trained model → ``run_dir/model/`` (``export.export_live``); a PEFT model → ``run_dir/model/adapter``
@@ -120,13 +162,10 @@ def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dic
     reference, state = full_export.reference_and_full_state(trainer, module)
     if not trainer.is_global_zero:
         return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
-    model = _peft_on_meta(config, module.model.peft_config[ADAPTER_NAME])
-    weights = {k[len(MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
-    model.load_state_dict(weights, strict=True, assign=True)
-    state.clear()
-    cfg = module.cfg
-    base_model = cfg.model.name_or_path
-    report = export_adapter_and_verify(model, tokenizer, out_dir, reference, base_model=base_model, merge=False)
+    report = export_adapter_state(state, config=config, peft_config=module.model.peft_config[ADAPTER_NAME],
+                                  tokenizer=tokenizer, out_dir=out_dir, reference_logits=reference,
+                                  base_model=module.cfg.model.name_or_path,
+                                  quantization=quantization_config(module.cfg), device=trainer.strategy.root_device)
     return {"model_dir": report["adapter_dir"], "export_max_abs_diff": report["max_abs_diff"]}
 
 

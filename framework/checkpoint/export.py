@@ -70,7 +70,7 @@ def _hf_weights(module_state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Ten
 def refuse_nonfinite(weights: Mapping[str, torch.Tensor]) -> None:
     """A model with a NaN or inf weight is broken, however well it reloads: one error naming the first."""
     for name, tensor in weights.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not tensor.is_meta:
             bad = ~torch.isfinite(tensor)
             if bool(bad.any()):
                 raise ShardlightError(f"refusing to export non-finite weights: {name} has {int(bad.sum())} "
