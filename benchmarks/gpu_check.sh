@@ -29,10 +29,11 @@
 #
 # Environment: GPU_CHECK_PYTHON (default python3: the machine's), GPU_CHECK_SITE (default a fresh
 # /tmp/shardlight-gpu-check.XXXXXX), GPU_CHECK_BUDGET_S (default 470: the steps stop being started when it is
-# spent; set-up excluded), GPU_CHECK_STEPS (default "train analyze qlora peer strategy comm").
+# spent; set-up excluded), GPU_CHECK_STEPS (default "train analyze 8b qlora peer strategy comm").
 #
 # OUT_DIR receives at most 8 files (the device tool brings back 8): gpu_check.log (everything), steps.json
-# (each step's exit status and seconds), summary.json and qlora-summary.json (the runs' summaries), check.json
+# (each step's exit status and seconds), summary.json, summary-8b.json (with its metrics) and qlora-summary.json
+# (the runs' summaries), check.json
 # (metrics and trace classification), the last trace window's rank-0 trace (gzipped), results.jsonl (the benchmarks' and the
 # peer comparison's JSON lines). Run directories stay under SITE/work. Exit status 0 only when every step
 # ran and passed on CUDA (the rehearsal: when the set-up check passed).
@@ -93,7 +94,18 @@ QLORA_RECIPE=recipes/tiny-llama-lora.yaml
 QLORA_ARGS=(peft.method=qlora "model.name_or_path=$SITE/work/qlora-base" model.config=null
     trainer.accelerator=gpu trainer.devices=1 trainer.precision=bf16-mixed trainer.max_steps=10
     trainer.progress_bar=false callbacks.comm.enabled=false "output_dir=$SITE/work/qlora-runs")
+# An 8B-shaped run: Llama-3-8B's widths (hidden 4096, 32 heads / 8 KV heads, 128k vocabulary) with 4 of its 32
+# layers (1.92B parameters, random weights), FSDP1 FULL_SHARD + activation checkpointing, micro-batch 2 x 2048,
+# the shipped tiny tokenizer and data in place of the downloads. `shardlight plan` with the same overrides
+# (--gpus-per-node 1 --gpu-memory 141GB) predicts its peak; docs/benchmarks.md sets the two side by side.
+EIGHTB_RECIPE=recipes/llama-3-8b-sft.yaml
+EIGHTB_ARGS=(model.config.num_hidden_layers=4 "tokenizer.name_or_path=$REPO/recipes/assets/tiny-tokenizer" data.dataset=null
+    "data.train_files=[$REPO/recipes/data/tiny_sft_train.jsonl]" "data.val_files=[$REPO/recipes/data/tiny_sft_val.jsonl]"
+    data.prompt_field=prompt data.response_field=response trainer.devices=1 trainer.max_steps=20
+    trainer.accumulate_grad_batches=1 trainer.val_every_n_steps=20 trainer.log_every_n_steps=5
+    trainer.progress_bar=false callbacks.comm.every_n_steps=10 "output_dir=$SITE/work/runs-8b")
 printf '%s\n' - "${TRAIN_ARGS[@]}" >"$SITE/train.overrides"
+printf '%s\n' "$EIGHTB_RECIPE" "${EIGHTB_ARGS[@]}" >"$SITE/eightb.overrides"
 printf '%s\n' "$QLORA_RECIPE" "${QLORA_ARGS[@]}" >"$SITE/qlora.overrides"
 
 # setup_check.py: the carried wheels need the wheels' python (3.12); the tree, the recipes and the training stack
@@ -101,7 +113,7 @@ printf '%s\n' "$QLORA_RECIPE" "${QLORA_ARGS[@]}" >"$SITE/qlora.overrides"
 # without torch, GPU_CHECK_TORCH_PYTHON one with torch (then run without the 3.12-only wheels on its path).
 has_torch() { "$1" -c 'import torch' >/dev/null 2>&1; }
 CHECK=(benchmarks/gpu/setup_check.py --wheels .whl --site "$SITE/lib" --tree "$SITE/src"
-       --overrides "$SITE/train.overrides" --overrides "$SITE/qlora.overrides")
+       --overrides "$SITE/train.overrides" --overrides "$SITE/eightb.overrides" --overrides "$SITE/qlora.overrides")
 WANDB_RUN=()
 [ "$REHEARSE" = 1 ] || WANDB_RUN=(--wandb-run)
 TORCH_PY="${GPU_CHECK_TORCH_PYTHON:-}"
@@ -151,7 +163,7 @@ export SHARDLIGHT_BENCH_RESULTS="$OUT/results.jsonl"
 : >"$SHARDLIGHT_BENCH_RESULTS"
 : >"$SITE/steps.jsonl"
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-470} ))
-STEPS="${GPU_CHECK_STEPS:-train analyze qlora peer strategy comm}"
+STEPS="${GPU_CHECK_STEPS:-train analyze 8b qlora peer strategy comm}"
 FAILED=()
 
 # step NAME CAP_S COMMAND...: runs COMMAND under `timeout min(CAP_S, time left)`, output into the log.
@@ -181,6 +193,8 @@ step() {
 
 step train 150 "$PY" -m shardlight.cli train "${TRAIN_ARGS[@]}" --summary-json "$OUT/summary.json"
 step analyze 60 "$PY" benchmarks/gpu/analyze_run.py "$OUT"
+step 8b 150 bash -c 'py="$0" summary="$1"; shift; "$py" -m shardlight.cli train "$@" --summary-json "$summary" &&
+    "$py" benchmarks/gpu/run_metrics.py "$summary"' "$PY" "$OUT/summary-8b.json" "$EIGHTB_RECIPE" "${EIGHTB_ARGS[@]}"
 step qlora 120 "$PY" benchmarks/gpu/qlora_check.py "$SITE/work/qlora-base" "$OUT/qlora-summary.json" \
     "$QLORA_RECIPE" "${QLORA_ARGS[@]}"
 step peer 150 "$PY" benchmarks/gpu/peer_compare.py --steps 40 --warmup 10
