@@ -55,6 +55,8 @@ bench: setup
 	@for b in $(BENCH); do echo "# benchmarks/$$b.py" >&2; \
 		SHARDLIGHT_BENCH_RESULTS=$(abspath $(BENCH_RESULTS)) $(BIN)/python benchmarks/$$b.py || exit 1; done
 	@$(BIN)/python benchmarks/_harness.py table $(BENCH_RESULTS)
+	@echo; echo "# GPU readings: benchmarks/gpu/*.jsonl, from benchmarks/gpu_check.sh on a lent H200 (one run each, no interval; docs/benchmarks.md)"
+	@cat benchmarks/gpu/*.jsonl > $(dir $(BENCH_RESULTS))gpu.jsonl && $(BIN)/python benchmarks/_harness.py table $(dir $(BENCH_RESULTS))gpu.jsonl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache build
