@@ -8,6 +8,7 @@ as they are, so FSDP still wraps one unit per block, each now holding frozen bas
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Optional
 
 import torch
@@ -15,6 +16,10 @@ from torch import nn
 
 from shardlight.errors import ShardlightError, first_line
 from shardlight.recipe import PeftConfig, RecipeConfig
+
+# bitsandbytes (QLoRA's 4-bit base; peft imports it whenever it is installed) looks for an optional CPU kernel
+# on the Hub at import and warns, on every CPU with AVX512-BF16, when it cannot have it: offline it never can.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # The one adapter a run trains (peft's default name; it appears in parameter names as ``.default.``).
 ADAPTER_NAME = "default"

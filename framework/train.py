@@ -21,7 +21,6 @@ from shardlight.callbacks import findings_of
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
-from shardlight.launch.standby import StandbyRanks
 from shardlight.model import NonFiniteStop
 from shardlight.planner.alternatives import alternatives_on_device
 from shardlight.preflight import preflight
@@ -122,11 +121,9 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
     return summary
 
 
-def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None,
-          standby: Optional[StandbyRanks] = None) -> Dict[str, Any]:
+def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
     """One run on this process's rank: preflight, run dir and resume decision (made once, handed to the ranks
-    Lightning spawns), builders, fit, final validation, verified export, summary. ``standby``: the other local
-    ranks, already started and importing (``shardlight.launch.standby``); Lightning's launcher hands them off."""
+    Lightning spawns), builders, fit, final validation, verified export, summary."""
     started = time.time()
     _quiet_known_noise()
     tokenizer = preflight(cfg, ctx)
@@ -143,7 +140,7 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, tokenizer)
-    trainer = build_trainer(cfg, ctx, standby)
+    trainer = build_trainer(cfg, ctx)
     try:
         trainer.fit(module, datamodule=datamodule)
     except NonFiniteStop as stop:  # raised on every rank at the same step

@@ -20,9 +20,6 @@ ENV_WANDB_RUN_ID = "SHARDLIGHT_WANDB_RUN_ID"
 # Test-only fault injection: a rank dies inside the checkpoint save of this step.
 ENV_FAULT_KILL_IN_SAVE_STEP = "SHARDLIGHT_FAULT_KILL_IN_SAVE_STEP"
 RUN_ENV_VARS = (ENV_RUN_DIR, ENV_RESUME_FROM, ENV_WANDB_RUN_ID)
-# "1" in a rank started ahead of Lightning's launcher: it imports, then waits for its environment on stdin
-# (``shardlight.launch.standby``).
-ENV_STANDBY = "SHARDLIGHT_STANDBY"
 
 
 class Launcher(Protocol):
@@ -119,5 +116,5 @@ class TorchrunLauncher(LightningLauncher):
 def without_run_env(environ: Mapping[str, str]) -> Dict[str, str]:
     """A copy of an environment without shardlight's per-run and per-rank variables: for starting a new,
     independent run (``launch local``, ``profile``) from inside another process."""
-    drop = set(RUN_ENV_VARS) | {ENV_STANDBY, "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"}
+    drop = set(RUN_ENV_VARS) | {"LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"}
     return {k: v for k, v in environ.items() if k not in drop}

@@ -12,7 +12,6 @@ from shardlight.build.loggers import build_loggers
 from shardlight.build.strategy import build_strategy
 from shardlight.callbacks.progress import LatestMetrics, StepProgressBar
 from shardlight.launch import launcher_named
-from shardlight.launch.standby import StandbyRanks
 from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
@@ -37,13 +36,11 @@ def _not_chatter(record: logging.LogRecord) -> bool:
     return not any(chatter in message for chatter in _CHATTER)
 
 
-def build_trainer(cfg: RecipeConfig, ctx: RunContext, standby: Optional[StandbyRanks] = None) -> pl.Trainer:
-    """``standby``: the other local ranks, started ahead by the launching process; the strategy's launcher
-    hands them their environment where Lightning's would start them."""
+def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
     t = cfg.trainer
     for name in (*_LIGHTNING_INFO_LOGGERS, _LIGHTNING_DIST_LOGGER):
         logging.getLogger(name).addFilter(_not_chatter)  # once: a logger keeps a filter only once
-    strategy = build_strategy(cfg, standby)
+    strategy = build_strategy(cfg)
     loggers = build_loggers(cfg, ctx)
     callbacks = build_callbacks(cfg, ctx)
     if t.progress_bar:

@@ -35,9 +35,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.items = list(args.items) + extra
-    # The words came from this process's own command line, so running that line again runs the same command
-    # (how `train` starts its other ranks early); not so for a caller that hands main() its words.
-    args.own_command_line = argv is None
     try:
         return args.func(args)
     except ShardlightError as exc:

@@ -1,15 +1,11 @@
-"""Recipe files as YAML, before the schema: where the shipped recipes are, reading one file, finding a ``base:``,
-and ``peek_ranks``, the local ranks a recipe asks for read from its files and overrides alone.
-
-Light on purpose (yaml, no schema): the schema pulls in the callbacks and so Lightning and torch, and
-``shardlight train`` starts the other local ranks (``shardlight.launch.standby``) before it imports them.
+"""Recipe files as YAML, before the schema: where the shipped recipes are, reading one file, finding a ``base:``.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict
 
 import yaml
 
@@ -57,30 +53,3 @@ def find_base(base: str, recipe: Path) -> Path:
     for what, path in places.items():
         looked.setdefault(path, f"{path} ({what})")
     raise ShardlightError(f"base recipe '{base}' named in {recipe} not found; looked for {', '.join(looked.values())}")
-
-
-def peek_ranks(path: Optional[str], overrides: List[str]) -> int:
-    """The ranks per node a one-node recipe asks for (``trainer.devices``; 1 for several nodes), from the recipe
-    file, its ``base:`` chain and ``trainer.*`` overrides alone, without the schema; 1 where that cannot tell
-    (an unreadable file, a value that is no positive integer: ``load_recipe`` words those errors). A hint for
-    starting ranks early: the loaded recipe decides."""
-    trainer: Dict[str, Any] = {}
-    try:
-        recipe, chain, seen = Path(path) if path else DEFAULT_RECIPE, [], set()
-        while recipe.resolve() not in seen and len(seen) < 32:
-            seen.add(recipe.resolve())
-            raw = load_yaml(recipe)
-            chain.append(raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {})
-            if raw.get("base") is None:
-                break
-            recipe = find_base(str(raw["base"]), recipe.resolve())
-        for section in reversed(chain):
-            trainer.update(section)
-    except ShardlightError:
-        return 1
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key in ("trainer.devices", "trainer.num_nodes"):
-            trainer[key.split(".")[1]] = value
-    devices, nodes = str(trainer.get("devices", 1)), str(trainer.get("num_nodes", 1))
-    return int(devices) if devices.isdigit() and nodes == "1" and int(devices) > 0 else 1

@@ -23,12 +23,10 @@ import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from shardlight.launch.standby import StandbyRanks
 from shardlight.strategy.fsdp1 import (
     apply_fsdp1,
     fsdp1_full_state_dict,
@@ -37,7 +35,6 @@ from shardlight.strategy.fsdp1 import (
     fsdp1_mixed_precision,
 )
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_clip_grad_norm, fsdp2_full_state_dict, fsdp2_mesh
-from shardlight.strategy.launcher import StandbyScriptLauncher
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.wrapping import format_wrap_report
 
@@ -77,8 +74,6 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         devices: ``trainer.devices``, the ranks on each node; on CPU they share the node's cores.
         num_threads: torch intra-op threads per rank on CPU (None: the node's cores / ``devices``).
         timeout: how long a collective may wait before failing.
-        standby: the other local ranks, started ahead by the launching process (``shardlight.launch.standby``);
-            where Lightning's launcher would start them they are handed their environment instead.
 
     After setup, ``wrap_report`` holds the wrap report (units, parameters per unit, warnings).
     """
@@ -94,7 +89,6 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         devices: int = 1,
         num_threads: Optional[int] = None,
         timeout: timedelta = timedelta(minutes=30),
-        standby: Optional[StandbyRanks] = None,
     ) -> None:
         super().__init__(
             # The Trainer adopts a strategy's plugin; "32" and the like unified as the Trainer does.
@@ -114,18 +108,8 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         self._fsdp1_root: Optional[nn.Module] = None
         self._fsdp2_root: Optional[nn.Module] = None
         self._mesh: Any = None
-        self._standby = standby
 
     # ------------------------------------------------------------------ environment
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._standby is not None and type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = StandbyScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                   self._standby)
-        elif self._standby is not None:  # the cluster starts the ranks after all: nothing to hand off
-            self._standby.cancel()
-
     @override
     def setup_environment(self) -> None:
         device_type = self.root_device.type
