@@ -4,7 +4,8 @@ ratio, an A/A noise floor from the same runs, and one JSON line per benchmark.
 * **Pairs in ABBA order.** A block is ``baseline, candidate, candidate, baseline``: two pairs whose
   ratios (candidate / baseline) see the machine's drift from both sides. Blocks repeat until at least
   ``min_pairs`` pairs ran and the interval's half-width is at most ``half_width`` (1 percentage point),
-  or the time budget or ``max_pairs`` is reached.
+  or ``max_pairs`` is reached. The time budget bounds it all: no pair starts that would not fit (the
+  first always runs), ``min_pairs`` or not; each run and each pair prints a line to stderr as it ends.
 * **The ratio** is the geometric mean of the per-pair ratios; ``ci90`` is the bootstrap percentile
   interval of that mean (pairs resampled with replacement, a fixed seed, so a rerun of the same numbers
   gives the same interval).
@@ -12,7 +13,7 @@ ratio, an A/A noise floor from the same runs, and one JSON line per benchmark.
   an A/A pair at the same spacing as the A/B pairs. ``aa_noise`` is the larger distance of the A/A
   interval's ends from 1: an A/B effect smaller than it is not resolved on this machine.
 * **holds** is true only when the interval's bound on the wrong side meets the target: ``ci90[1] <=
-  target`` for an upper-bound claim, ``ci90[0] >= target`` for a lower bound.
+  target`` for an upper-bound claim, ``ci90[0] >= target`` for a lower bound; and at least ``min_pairs`` ran.
 
 Each arm is a callable that runs once and returns its metrics (``{"step_s": 0.12, ...}``); the primary
 ``metric`` drives the stopping rule and ``holds``, every other metric gets its own ratio and interval
@@ -28,6 +29,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,37 +88,63 @@ def _noise(ci90: Sequence[float]) -> float:
 def compare(name: str, *, baseline: Callable[[], Metrics], candidate: Callable[[], Metrics], metric: str,
             target: float, bound: str = "upper", min_pairs: int = 8, max_pairs: int = 40,
             half_width: float = 0.01, budget_s: float = 600.0, log: Optional[Callable[[str], None]] = None,
-            ) -> Dict[str, Any]:
+            started: Optional[float] = None) -> Dict[str, Any]:
     """Run ABBA blocks of ``baseline`` and ``candidate`` and return the benchmark's result (see the module
-    docstring). ``ratio`` is candidate / baseline of ``metric``."""
+    docstring). ``ratio`` is candidate / baseline of ``metric``.
+
+    The budget bounds the wall time, ``min_pairs`` or not: a pair starts only while the time spent (since
+    ``started``, a ``time.perf_counter()`` reading; default: now) plus the mean pair so far fits in
+    ``budget_s``. The first pair always runs, so the whole ends within about the budget plus one pair
+    (``budget_hit`` says the budget stopped it). Every run and every pair logs a line as it ends."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     runs: Dict[str, List[Metrics]] = {"baseline": [], "candidate": []}
     pairs: List[tuple[Metrics, Metrics]] = []  # (baseline, candidate)
     aa: Dict[str, List[float]] = {}  # metric -> second run / first run of the same arm, both arms
-    start = time.perf_counter()
-    block_s = 0.0
-    while True:
-        block_start = time.perf_counter()
-        a1 = baseline()
-        b1 = candidate()
-        b2 = candidate()
-        a2 = baseline()
-        block_s = time.perf_counter() - block_start
-        runs["baseline"] += [a1, a2]
-        runs["candidate"] += [b1, b2]
-        pairs += [(a1, b1), (a2, b2)]
-        for key in a1:
-            if key in b1:
-                aa.setdefault(key, []).extend([a2[key] / a1[key], b2[key] / b1[key]])
+    start = time.perf_counter() if started is None else started
+    log(f"  {name}: ABBA pairs, {min_pairs} to {max_pairs} unless the {budget_s:.0f} s budget ends first "
+        f"(a line per run)")
+    arms = {"baseline": baseline, "candidate": candidate}
+    pair_s: List[float] = []
+    budget_hit = False
+    ratios: List[float] = []
+
+    def one(arm: str) -> Metrics:
+        run_start = time.perf_counter()
+        metrics = arms[arm]()
+        log(f"  {name}: pair {len(pairs) + 1}, {arm} run {time.perf_counter() - run_start:.1f} s "
+            f"({time.perf_counter() - start:.0f} s of {budget_s:.0f} s)")
+        return metrics
+
+    while len(pairs) < max_pairs:
+        elapsed = time.perf_counter() - start
+        if pairs and elapsed + statistics.fmean(pair_s) > budget_s:
+            budget_hit = True
+            break
+        pair_start = time.perf_counter()
+        if len(pairs) % 2 == 0:  # the block's first pair: A B
+            a = one("baseline")
+            b = one("candidate")
+        else:  # its second: B A
+            b = one("candidate")
+            a = one("baseline")
+        pair_s.append(time.perf_counter() - pair_start)
+        runs["baseline"].append(a)
+        runs["candidate"].append(b)
+        pairs.append((a, b))
+        if len(pairs) % 2 == 0:  # a block done: its A/A pairs
+            (a1, b1), (a2, b2) = pairs[-2:]
+            for key in a1:
+                if key in b1:
+                    aa.setdefault(key, []).extend([a2[key] / a1[key], b2[key] / b1[key]])
         ratios = [b[metric] / a[metric] for a, b in pairs]
         center, lo, hi = interval(ratios)
-        elapsed = time.perf_counter() - start
-        log(f"  {name}: {len(pairs)} pairs, ratio {center:.4f} [{lo:.4f}, {hi:.4f}] ({elapsed:.0f} s)")
-        if len(pairs) >= min_pairs and ((hi - lo) / 2 <= half_width or elapsed + block_s > budget_s):
+        log(f"  {name}: {len(pairs)} pairs, ratio {center:.4f} [{lo:.4f}, {hi:.4f}] "
+            f"({time.perf_counter() - start:.0f} s)")
+        if len(pairs) % 2 == 0 and len(pairs) >= min_pairs and (hi - lo) / 2 <= half_width:
             break
-        if len(pairs) >= max_pairs:
-            break
-    aa_stats = _stats(aa[metric])
+    if budget_hit and len(pairs) < min_pairs:
+        log(f"  {name}: the {budget_s:.0f} s budget ran out after {len(pairs)} of at least {min_pairs} pairs")
+    aa_stats = _stats(aa[metric]) if metric in aa else {"ratio": None, "ci90": None}
     result: Dict[str, Any] = {
         "benchmark": name,
         "metric": metric,
@@ -124,22 +152,74 @@ def compare(name: str, *, baseline: Callable[[], Metrics], candidate: Callable[[
         "pairs": len(pairs),
         "aa_ratio": aa_stats["ratio"],
         "aa_ci90": aa_stats["ci90"],
-        "aa_noise": _noise(aa_stats["ci90"]),
+        "aa_noise": _noise(aa_stats["ci90"]) if aa_stats["ci90"] else None,  # None: no whole ABBA block ran
         "target": target,
         "bound": bound,
+        "budget_hit": budget_hit,
     }
-    result["holds"] = holds(result["ci90"], target, bound)
+    # Fewer pairs than the minimum (the budget ran out) resolve nothing: the claim is not shown to hold.
+    result["holds"] = holds(result["ci90"], target, bound) and len(pairs) >= min_pairs
     result["metrics"] = {}
     for key in runs["baseline"][0]:
-        if key != metric and key in aa and all(key in b for _, b in pairs):
+        if key != metric and all(key in b for _, b in pairs):
             stats = _stats([b[key] / a[key] for a, b in pairs])
-            stats["aa_noise"] = _noise(_stats(aa[key])["ci90"])
+            stats["aa_noise"] = _noise(_stats(aa[key])["ci90"]) if key in aa else None
             result["metrics"][key] = stats
     result["medians"] = {arm: {key: round(statistics.median(r[key] for r in arm_runs), 6) for key in arm_runs[0]}
                          for arm, arm_runs in runs.items()}
     result["wall_s"] = round(time.perf_counter() - start, 1)
     result["machine"] = machine()
     return result
+
+
+def cpu_env(env: Dict[str, str], ranks: int = 2) -> Dict[str, str]:
+    """``env`` for a CPU (gloo) benchmark's worker tree: no GPU visible (on a GPU machine torch would
+    otherwise initialise CUDA in every rank: pinned-memory loaders, device probes), and ``ranks`` ranks
+    sharing the usable cores (``SHARDLIGHT_BENCH_THREADS``: torch threads per rank; OpenMP's too)."""
+    from shardlight.preflight import usable_cores
+
+    threads = str(max(1, usable_cores() // ranks))
+    return dict(env, CUDA_VISIBLE_DEVICES="", SHARDLIGHT_BENCH_THREADS=threads, OMP_NUM_THREADS=threads)
+
+
+def _kill_tree(pid: int) -> None:
+    """``pid`` and every descendant (the ranks), killed."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        members = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for member in members:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run_tree(command: Sequence[str], *, env: Dict[str, str], cwd: Path, timeout_s: float
+             ) -> subprocess.CompletedProcess:
+    """Run ``command`` (a process tree: its ranks are its children) to its end, its output captured; past
+    ``timeout_s`` the whole tree is killed (a rank left over would hold the output pipes open) and the
+    result's ``returncode`` is None, its ``stderr`` the output so far and why. The tree stays in this
+    process's group, so an outer ``timeout`` (which signals its group) ends it too."""
+    proc = subprocess.Popen(list(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the tree still holds the pipes
+            out, err = "", ""
+        return subprocess.CompletedProcess(proc.args, None, out,
+                                           f"{err}\n[killed after {timeout_s:.0f} s: the run did not end]")
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): take the ranks down with it
+            _kill_tree(proc.pid)
 
 
 def exact(name: str, *, value: float, target: float, **extra: Any) -> Dict[str, Any]:

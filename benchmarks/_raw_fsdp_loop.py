@@ -2,7 +2,8 @@
 
 The same model, batch shapes and settings as the shardlight arm (FSDP1 FULL_SHARD, one unit per decoder
 block, BACKWARD_PRE, limit_all_gathers, use_orig_params; AdamW with shardlight's betas and weight decay, a
-warm-up + cosine LambdaLR, global-norm clipping at 1.0; 2 gloo ranks, half the cores each). No shardlight
+warm-up + cosine LambdaLR, global-norm clipping at 1.0; 2 gloo ranks on CPU, half the cores each:
+``$SHARDLIGHT_BENCH_THREADS`` torch threads, set by the benchmark, else ``os.cpu_count() // 2``). No shardlight
 import: the tokens are random ids of the shardlight arm's packed shape (micro-batch x seq_len; a step's
 cost does not depend on which ids), served by a DataLoader with a DistributedSampler as a user would.
 
@@ -39,7 +40,8 @@ def rank_main(rank: int, out: Path, steps: int, model_spec: dict, micro_batch: i
     marks = {"start": START, "imports": IMPORTS}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
+    # The benchmark's share of the usable cores (a container's os.cpu_count() may be the host's).
+    torch.set_num_threads(int(os.environ.get("SHARDLIGHT_BENCH_THREADS") or max(1, (os.cpu_count() or 1) // WORLD)))
     marks["fit"] = time.time()
     generator = torch.Generator().manual_seed(1234)
     tokens = torch.randint(3, model_spec["vocab_size"], (micro_batch * WORLD * (steps + 1), seq_len),

@@ -1,11 +1,10 @@
 """`shardlight train ARGS` with a step timer and start-up marks, for the timing benchmarks.
 
 The real CLI runs unchanged, imports included: the training path (torch, Lightning, transformers) is imported
-where the CLI imports it, after the recipe has loaded and the other ranks have started in standby
-(``shardlight.launch.standby``). When ``shardlight.train`` has been imported, a Lightning callback is added to
-the callbacks the builder makes and the preflight is wrapped to time it. Every rank runs this script (the
-standby ranks are started with the same command line), so every rank writes ``timing-rank{R}.json`` into
-``$SHARDLIGHT_BENCH_TIMES`` (a process boundary: the benchmark sets it):
+where the CLI imports it, after the recipe has loaded. When ``shardlight.train`` has been imported, a Lightning
+callback is added to the callbacks the builder makes and the preflight is wrapped to time it. Every rank runs
+this script (Lightning starts ranks 1..N-1 with the same command line), so every rank writes
+``timing-rank{R}.json`` into ``$SHARDLIGHT_BENCH_TIMES`` (a process boundary: the benchmark sets it):
 
 * ``steps``: seconds from batch in hand (``on_train_batch_start``) to optimizer step done
   (``on_train_batch_end``), per optimizer step;

@@ -32,7 +32,11 @@ background thread, median over windows, ranks and runs: wall and CPU millisecond
     python benchmarks/comm_callback_overhead.py [--pairs N] [--max-pairs N] [--budget-s S] [--steps N]
         [--arms off-on|file-live] [key=value ...]
 
-Without ``--pairs``/``--budget-s`` the harness's stopping rule decides (8 to 40 pairs, 1500 s budget).
+Without ``--pairs``/``--budget-s`` the harness's stopping rule decides (8 to 40 pairs, 600 s budget). The budget
+bounds the whole (``_harness.compare``): about the budget plus one pair (two runs of ``--steps``), start-up
+included, even below ``--pairs``; every run prints a progress line to stderr as it ends. The runs stay on CPU
+where a GPU is visible: ``CUDA_VISIBLE_DEVICES=""`` and a fixed thread count per rank (``_harness.cpu_env``),
+``trainer.accelerator=cpu``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _harness import compare, emit  # noqa: E402
+from _harness import compare, cpu_env, emit, run_tree  # noqa: E402
 
 WARMUP = 3  # steps before the measured loop (the early window, at step 5, is inside it)
 TIMES_FILE = "step_times_rank{rank}.json"
@@ -154,6 +157,7 @@ def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
         _file_path_analysis()
     _time_window_work()
     cfg = load_recipe(None, [f"output_dir={out}", f"trainer.max_steps={steps}", "trainer.progress_bar=false",
+                             *cpu_overrides(),
                              f"trainer.val_every_n_steps={steps}", "trainer.limit_val_batches=0",
                              "checkpoint.enabled=false", "logging.wandb.enabled=false", *overrides])
     build = trainer_builder.build_callbacks
@@ -193,9 +197,17 @@ def window_starts(run_dir: Path) -> list:
                        if row.get("comm/window_start_step")})
 
 
+def cpu_overrides() -> list:
+    """The recipe overrides that keep a run on 2 CPU ranks, ``$SHARDLIGHT_BENCH_THREADS`` threads each (the
+    command line's overrides come after and win)."""
+    threads = os.environ.get("SHARDLIGHT_BENCH_THREADS")
+    return ["trainer.accelerator=cpu", "trainer.devices=2", *([f"trainer.num_threads={threads}"] if threads else [])]
+
+
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    """A run's environment: CPU only, the threads per rank fixed (``cpu_env``), no rank variables inherited."""
+    env = cpu_env(dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", WANDB_SILENT="true",
+                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "SHARDLIGHT_RUN_DIR", "SHARDLIGHT_BENCH_RESULTS",
                 "MASTER_PORT"):
         env.pop(key, None)
@@ -228,10 +240,11 @@ class Bench:
         if file_analysis:
             command.append("--file-analysis")
         command += [*self.args.overrides, f"callbacks.comm.enabled={str(comm_on).lower()}"]
-        result = subprocess.run(command, env=_env(), capture_output=True, text=True, cwd=REPO)
+        result = run_tree(command, env=_env(), cwd=REPO, timeout_s=self.args.run_timeout_s)
         if result.returncode != 0:
-            sys.exit(f"comm_callback_overhead: the {arm} run failed (exit {result.returncode}):\n"
-                     f"{result.stderr[-3000:]}")
+            why = (f"exit {result.returncode}" if result.returncode is not None
+                   else f"no end after {self.args.run_timeout_s:.0f} s")
+            sys.exit(f"comm_callback_overhead: the {arm} run failed ({why}):\n{result.stderr[-3000:]}")
         run_dir = Path(json.loads((out / "run.json").read_text())["run_dir"])
         ranks = [{int(k): v for k, v in json.loads(p.read_text()).items()}
                  for p in sorted(run_dir.glob(TIMES_FILE.format(rank="*")))]
@@ -255,12 +268,17 @@ class Bench:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()  # the budget counts from here (the set-up's imports included)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=8, help="at least this many A/B pairs (default 8)")
+    parser.add_argument("--pairs", type=int, default=8,
+                        help="at least this many A/B pairs, the budget permitting (default 8)")
     parser.add_argument("--max-pairs", type=int, default=40)
-    parser.add_argument("--budget-s", type=float, default=600.0, help="stop adding pairs after this long")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="start no pair that would end past this long (the first always runs; default 600)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--arms", choices=sorted(ARMS), default="off-on")
+    parser.add_argument("--run-timeout-s", type=float, default=600.0,
+                        help="kill a run (and end the benchmark) that takes longer than this (default 600)")
     parser.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)  # one arm's run, into this dir
     parser.add_argument("--file-analysis", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (both arms)")
@@ -274,7 +292,7 @@ def main(argv=None) -> int:
         result = compare(name, baseline=lambda: bench.run_once("baseline"),
                          candidate=lambda: bench.run_once("candidate"), metric="loop_step_s",
                          target=1.01, bound="upper", min_pairs=args.pairs, max_pairs=max(args.pairs, args.max_pairs),
-                         budget_s=args.budget_s)
+                         budget_s=args.budget_s, started=started)
     result["arms"] = dict(zip(("baseline", "candidate"), ARMS[args.arms]))
     result["steps"], result["warmup"], result["windows"] = args.steps, WARMUP, bench.windows
     result["every_n_steps"] = bench.comm.every_n_steps

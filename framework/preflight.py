@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -79,10 +80,16 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (a Slurm step or taskset may allow fewer than the machine has)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The cores this process may run on: a Slurm step or taskset may allow fewer than the machine has (its
+    affinity), a container fewer than both (its cgroup's CPU quota; its ``os.cpu_count()`` is the host's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:  # cgroup v2: "QUOTA PERIOD", or "max PERIOD" for no limit
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def check_cpu_ranks(cfg: RecipeConfig) -> None:
