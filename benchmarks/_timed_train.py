@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardlight.cli import main  # noqa: E402  (light: the CLI imports torch only once the recipe is good)
+from shardlight.cli.main import main  # noqa: E402  (light: the CLI imports torch only once the recipe is good)
 
 TIMES_ENV = "SHARDLIGHT_BENCH_TIMES"
 MARKS = {"start": START}
@@ -76,8 +76,8 @@ def instrument(train_module) -> None:
     build_callbacks = trainer_builder.build_callbacks
     preflight = train_module.preflight
 
-    def with_timer(cfg, ctx):
-        return build_callbacks(cfg, ctx) + [StepTimer()]
+    def with_timer(cfg, ctx, *rest):
+        return build_callbacks(cfg, ctx, *rest) + [StepTimer()]
 
     def timed_preflight(*args, **kwargs):
         result = preflight(*args, **kwargs)

@@ -150,6 +150,7 @@ def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import shardlight.build.trainer as trainer_builder
     import shardlight.train as train_mod
+    from shardlight.instruments import Measurements
     from shardlight.recipe import load_recipe
     from shardlight.runtime import RunContext
 
@@ -161,8 +162,9 @@ def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
                              f"trainer.val_every_n_steps={steps}", "trainer.limit_val_batches=0",
                              "checkpoint.enabled=false", "logging.wandb.enabled=false", *overrides])
     build = trainer_builder.build_callbacks
-    trainer_builder.build_callbacks = lambda cfg_, ctx_: build(cfg_, ctx_) + [_step_timer(Path(ctx_.run_dir))]
-    summary = train_mod.train(RunContext.from_env(), cfg)
+    trainer_builder.build_callbacks = lambda cfg_, ctx_, *rest: build(cfg_, ctx_, *rest) + [
+        _step_timer(Path(ctx_.run_dir))]
+    summary = train_mod.train(RunContext.from_env(), cfg, instruments=[Measurements()])
     if RunContext.from_env().rank == 0:
         (out / "run.json").write_text(json.dumps({"run_dir": str(summary["run_dir"])}))
     return 0

@@ -31,9 +31,9 @@ import lightning.pytorch as pl
 
 from shardlight.callbacks._comm_metrics import METRIC_KEYS, bandwidth_metrics, group_metric_keys, split_metrics
 from shardlight.callbacks._common import Findings, RankTable, aggregate, log_metrics, per_rank_key
-from shardlight.diagnosis import Config as DiagnosisConfig
 from shardlight.diagnosis import Diagnosis, diagnose, window_line
 from shardlight.errors import warn
+from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace import combine
 
 

@@ -192,7 +192,7 @@ class Shared:
         findings: rank 0's latest cross-rank facts, the diagnosis's inputs.
         trust_remote_code: the model's ``trust_remote_code`` (the throughput callback rebuilds the
             architecture on the meta device to count FLOPs).
-        diagnosis: the recipe's ``diagnosis:`` section (``shardlight.diagnosis.Config``; None: its defaults).
+        diagnosis: the recipe's ``diagnosis:`` section (``DiagnosisConfig``; None: its defaults).
         micro_batch_size: what the diagnosis's advice is about (``trainer.micro_batch_size``).
         tp_size: the tensor-parallel degree: that many ranks share each batch (throughput counts it once).
         The few facts callbacks need from outside their ``callbacks:`` section, handed in, never imported.

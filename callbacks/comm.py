@@ -1,6 +1,7 @@
 """CommTimeCallback: collective time, exposed communication and overlap, measured live in short windows.
 
-``Config`` is the recipe's ``callbacks.comm`` section; ``build(config, ctx, shared)`` makes the callback.
+``build(config, ctx, shared)`` makes the callback from the recipe's ``callbacks.comm`` section
+(``CommConfig``).
 
 Every ``every_n_steps`` optimizer steps (and once early, at ``first_step``) every rank records a short
 ``torch.profiler`` window (schedule wait/warmup/active; the last active step, which the analysis drops as HTA
@@ -31,7 +32,6 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -53,65 +53,13 @@ from shardlight.callbacks._common import (
     log_metrics,
     rank,
 )
-from shardlight.diagnosis import Config as DiagnosisConfig
 from shardlight.errors import warn
+from shardlight.recipe.instrument_sections import CommConfig, DiagnosisConfig
 from shardlight.runtime import RunContext
 from shardlight.trace import analyze_trace_file
 from shardlight.trace.live import analyze_profile, distributed_info, has_live_events
 
 TRACE_DIR = "traces"
-
-
-@dataclass
-class Config:
-    """The recipe's ``callbacks.comm`` section."""
-
-    enabled: bool = field(default=True, metadata={"help": "Profile collectives vs compute in short windows."})
-    every_n_steps: int = field(
-        default=50, metadata={"positive": True,
-                              "help": "Steps between profiling windows (plus one early); the shortest interval."}
-    )
-    overhead_budget: Optional[float] = field(
-        default=0.01,
-        metadata={"fraction": True,
-                  "help": "Largest share of training time the windows may cost: each window's measured cost "
-                          "spaces the next one (null or 0: every every_n_steps, whatever they cost)."},
-    )
-    first_step: Optional[int] = field(
-        default=5, metadata={"non_negative": True, "help": "Step of the early profiling window (null or 0: none)."}
-    )
-    wait: int = field(
-        default=0, metadata={"non_negative": True, "help": "Profiler schedule: steps skipped at a window's start."}
-    )
-    warmup: int = field(
-        default=1, metadata={"non_negative": True, "help": "Profiler schedule: warm-up steps (traced, not recorded)."}
-    )
-    active: int = field(
-        default=2,
-        metadata={"positive": True,
-                  "help": "Profiler schedule: recorded steps; the last is dropped in analysis, as HTA drops it, "
-                          "so the profiler stops as it begins (not recorded in full)."},
-    )
-    per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
-    keep_windows: Optional[int] = field(
-        default=10,
-        metadata={"non_negative": True,
-                  "help": "Keep the traces of this many latest windows in run_dir/traces (null or 0: all)."},
-    )
-    record_shapes: bool = field(
-        default=False,
-        metadata={"help": "Record op input shapes: the bytes of each gloo collective (bus bandwidth on CPU), at "
-                          "several times a window's cost (0.5-0.8 s against tens to hundreds of ms on the default "
-                          "recipe's 2 CPU ranks); NCCL kernels carry their sizes without it."},
-    )
-    print_windows: bool = field(
-        default=True, metadata={"help": "Print one line per window (its verdict) on rank 0's console."}
-    )
-    save_traces: bool = field(
-        default=True,
-        metadata={"help": "Write each window's trace to run_dir/traces/step_<N>/ (in the background, after its "
-                          "analysis) for `shardlight analyze` / `diagnose`; false: metrics and verdict only."},
-    )
 
 
 class CommTimeCallback(Callback):
@@ -403,7 +351,7 @@ class CommTimeCallback(Callback):
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)
 
 
-def build(config: Config, ctx: RunContext, shared: Shared) -> CommTimeCallback:
+def build(config: CommConfig, ctx: RunContext, shared: Shared) -> CommTimeCallback:
     return CommTimeCallback(
         Path(ctx.run_dir), every_n_steps=config.every_n_steps, first_step=config.first_step, wait=config.wait,
         warmup=config.warmup, active=config.active, per_rank=config.per_rank, keep_windows=config.keep_windows,

@@ -1,6 +1,7 @@
 """MemoryHeadroomCallback: memory headroom per rank and the exact bytes of each rank's shard.
 
-``Config`` is the recipe's ``callbacks.memory`` section; ``build(config, ctx, shared)`` makes the callback.
+``build(config, ctx, shared)`` makes the callback from the recipe's ``callbacks.memory`` section
+(``MemoryConfig``).
 
 Per rank, every ``every_n_steps`` optimizer steps and at the end of training:
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -51,22 +51,11 @@ from shardlight.callbacks._common import (
     storage_bytes,
 )
 from shardlight.errors import warn
+from shardlight.recipe.instrument_sections import MemoryConfig
 from shardlight.runtime import RunContext
 
 BYTE_KEYS = ("peak", "reserved", "capacity", "headroom", "params", "grads", "optim")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-@dataclass
-class Config:
-    """The recipe's ``callbacks.memory`` section."""
-
-    enabled: bool = field(default=True, metadata={"help": "Log memory headroom and shard bytes per rank."})
-    every_n_steps: Optional[int] = field(
-        default=None,
-        metadata={"positive": True, "help": "Steps between memory logs (null: trainer.log_every_n_steps)."},
-    )
-    per_rank: bool = field(default=True, metadata={"help": "Also log memory/rank<R>/... keys for every rank."})
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -244,6 +233,6 @@ class MemoryHeadroomCallback(Callback):
         log_metrics(trainer, metrics)
 
 
-def build(config: Config, ctx: RunContext, shared: Shared) -> MemoryHeadroomCallback:
+def build(config: MemoryConfig, ctx: RunContext, shared: Shared) -> MemoryHeadroomCallback:
     return MemoryHeadroomCallback(every_n_steps=config.every_n_steps, per_rank=config.per_rank, table=shared.table,
                                   findings=shared.findings)

@@ -1,6 +1,7 @@
 """ThroughputCallback: tokens/s and samples/s per device, MFU and scaling efficiency.
 
-``Config`` is the recipe's ``callbacks.throughput`` section; ``build(config, ctx, shared)`` makes the callback.
+``build(config, ctx, shared)`` makes the callback from the recipe's ``callbacks.throughput`` section
+(``ThroughputConfig``).
 
 * ``throughput/tokens_per_sec_per_device`` and ``throughput/samples_per_sec_per_device``: the mean over
   ranks of each rank's non-padding tokens (``attention_mask``; all of ``input_ids`` without one) and
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -36,35 +36,8 @@ from typing_extensions import override
 
 from shardlight.callbacks._common import Findings, Shared, define_wandb_group, interval, log_metrics
 from shardlight.errors import warn
+from shardlight.recipe.instrument_sections import ThroughputConfig
 from shardlight.runtime import RunContext
-
-
-@dataclass
-class Config:
-    """The recipe's ``callbacks.throughput`` section."""
-
-    enabled: bool = field(default=True, metadata={"help": "Log tokens/s per device, MFU, scaling efficiency."})
-    peak_tflops: Optional[float] = field(
-        default=None,
-        metadata={"positive": True, "help": "Peak TFLOP/s per device for MFU (null: from the built-in table)."},
-    )
-    peak_tflops_table: Dict[str, float] = field(
-        default_factory=dict,
-        metadata={"positive": True, "help": "Device-name substring -> peak TFLOP/s; overrides/extends the built-in "
-                                            "A100/H100/H200 table."},
-    )
-    baseline_file: Optional[str] = field(
-        default=None,
-        metadata={"help": "JSON with tokens_per_sec_per_device (shardlight profile) for scaling efficiency."},
-    )
-    every_n_steps: Optional[int] = field(
-        default=None,
-        metadata={"positive": True, "help": "Steps between throughput logs (null: trainer.log_every_n_steps)."},
-    )
-    measure_flops: bool = field(
-        default=True, metadata={"help": "Count FLOPs/token with torch.utils.flop_counter (false: 6N + attention)."}
-    )
-
 
 # Dense (no sparsity) peak TFLOP/s per device, from NVIDIA's datasheets. Longest matching name wins.
 PEAK_TFLOPS: Dict[str, Dict[str, float]] = {
@@ -286,7 +259,7 @@ class ThroughputCallback(Callback):
         log_metrics(trainer, metrics)
 
 
-def build(config: Config, ctx: RunContext, shared: Shared) -> ThroughputCallback:
+def build(config: ThroughputConfig, ctx: RunContext, shared: Shared) -> ThroughputCallback:
     return ThroughputCallback(
         every_n_steps=config.every_n_steps, peak_tflops=config.peak_tflops,
         peak_tflops_table=config.peak_tflops_table, baseline_file=config.baseline_file,

@@ -10,24 +10,30 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 import datasets
 import lightning.pytorch as pl
 import transformers
 
 from shardlight.build import build_datamodule, build_module, build_trainer
-from shardlight.callbacks import findings_of
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
 from shardlight.model import NonFiniteStop
-from shardlight.planner.alternatives import alternatives_on_device
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.runtime import RunContext
 from shardlight.strategy import resolve_recipe_fsdp
-from shardlight.verdict import conclude
+
+
+class Instrument(Protocol):
+    """What a run plugs in on top of the core (``shardlight.instruments``), as Lightning takes callbacks: its
+    callbacks for the trainer (every rank), then after fit and the export its entries for the summary."""
+
+    def callbacks(self, cfg: RecipeConfig, ctx: RunContext) -> List[pl.Callback]: ...
+
+    def after_fit(self, trainer: Any, module: Any, cfg: RecipeConfig, run_dir: Path) -> Dict[str, Any]: ...
 
 
 def resolve_run_dir(ctx: RunContext, cfg: RecipeConfig) -> Path:
@@ -71,18 +77,6 @@ def plan_line(cfg: RecipeConfig, run_dir: Path) -> str:
             f"steps -> {run_dir}")
 
 
-def planner_alternatives(cfg: RecipeConfig, trainer, module) -> Optional[list]:
-    """The planner's other configurations for this recipe on the device the run had (rank 0; the verdict's
-    effect estimates); None, with a note, when it cannot plan (never fatal)."""
-    findings = findings_of(trainer)
-    if not trainer.is_global_zero or findings is None or findings.analysis is None:
-        return None
-    alternatives, note = alternatives_on_device(cfg, module.model.config, findings.memory)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    return alternatives or None
-
-
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
     """The last checkpoint and, with ``export: true``, its verified Hugging Face export (rank 0)."""
     callback = find_callback(trainer)
@@ -121,9 +115,11 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
     return summary
 
 
-def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None) -> Dict[str, Any]:
+def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None,
+          instruments: Sequence[Instrument] = ()) -> Dict[str, Any]:
     """One run on this process's rank: preflight, run dir and resume decision (made once, handed to the ranks
-    Lightning spawns), builders, fit, final validation, verified export, summary."""
+    Lightning spawns), builders, fit, final validation, verified export, the instruments' end-of-run work,
+    summary."""
     started = time.time()
     _quiet_known_noise()
     tokenizer = preflight(cfg, ctx)
@@ -140,7 +136,7 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, tokenizer)
-    trainer = build_trainer(cfg, ctx)
+    trainer = build_trainer(cfg, ctx, [c for instrument in instruments for c in instrument.callbacks(cfg, ctx)])
     try:
         trainer.fit(module, datamodule=datamodule)
     except NonFiniteStop as stop:  # raised on every rank at the same step
@@ -160,8 +156,6 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         for logger in trainer.loggers:
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
     exported = export_live(trainer, module, tokenizer, run_dir)  # every rank: the full weights are gathered
-    # After the export's collectives: rank 0's verdict work (planner, plots, W&B images) keeps no rank waiting.
-    diagnosis = conclude(trainer, cfg, run_dir, alternatives=planner_alternatives(cfg, trainer, module))
     model_dir = exported["model_dir"]
 
     summary = {
@@ -173,8 +167,10 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         "wall_time_s": round(time.time() - started, 2),
         "world_size": trainer.world_size,
         "export_max_abs_diff": exported["export_max_abs_diff"],
-        "verdict": diagnosis.verdict if diagnosis is not None else None,
+        "verdict": None,
     }
+    for instrument in instruments:  # after the export's collectives
+        summary.update(instrument.after_fit(trainer, module, cfg, run_dir))
     if cfg.trainer.on_nonfinite == "skip":
         summary["nonfinite_skips"] = module.nonfinite_skips
     summary.update(_checkpoint_summary(cfg, trainer, run_dir))

@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Optional
 
 from lightning.pytorch.loggers import CSVLogger
 
-from shardlight.callbacks import findings_of
 from shardlight.callbacks._common import wandb_runs
 from shardlight.callbacks.rank_table import log_table
+from shardlight.callbacks.registry import findings_of
 from shardlight.diagnosis import Diagnosis, diagnose, render_panel, write_report
 from shardlight.diagnosis.report import REPORT_IMAGES
 from shardlight.errors import warn

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardlight.callbacks.comm import CommTimeCallback
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.planner import calibration as cal
 from shardlight.planner.inputs import Workload
 from shardlight.planner.model_spec import ModelSpec

@@ -349,7 +349,7 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny
 
 
 def test_missing_or_corrupt_shard_is_one_clear_error_before_loading(tiny, run_a, tmp_path, monkeypatch, capsys):
-    from shardlight.cli import main
+    from shardlight.cli.main import main
 
     forbid_training(monkeypatch)
     monkeypatch.delenv("SHARDLIGHT_RESUME_FROM", raising=False)

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 from conftest import DEFAULT_RECIPE, REPO, forbid_training
 
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
 from shardlight.recipe import load_recipe, to_yaml
 

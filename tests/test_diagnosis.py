@@ -1,15 +1,16 @@
 """shardlight.diagnosis: truth tables of hand-built analysis dicts (known splits → the expected verdict, its
-evidence and its actions), thresholds from Config, the formats, the report files, and the planner's
+evidence and its actions), thresholds from DiagnosisConfig, the formats, the report files, and the planner's
 alternatives as plain data."""
 
 from __future__ import annotations
 
 import pytest
 
-from shardlight.diagnosis import VERDICTS, Config, diagnose, render_panel, step_bar, window_line, write_report
+from shardlight.diagnosis import VERDICTS, diagnose, render_panel, step_bar, window_line, write_report
 from shardlight.diagnosis.split import PARTS, check_same_steps
 from shardlight.errors import ShardlightError
 from shardlight.planner.alternatives import alternatives_from_plan
+from shardlight.recipe.instrument_sections import DiagnosisConfig
 
 GB = 1e9
 
@@ -165,14 +166,14 @@ def test_largest_share_wins_and_the_rest_are_secondary():
 @pytest.mark.parametrize("share, expected", [(19.9, "compute-bound"), (20.1, "communication-bound")])
 def test_config_threshold_flips_the_verdict(share, expected):
     entry = rank(compute=100 - share - 5, overlapped=0, transfer=share, wait=2, input_wait=1, wall=100)
-    result = diagnose(analysis(entry), config=Config(exposed_transfer_pct=20.0, host_idle_pct=50.0))
+    result = diagnose(analysis(entry), config=DiagnosisConfig(exposed_transfer_pct=20.0, host_idle_pct=50.0))
     assert result.verdict == expected
 
 
 @pytest.mark.parametrize("headroom_gb, expected", [(7.9, "memory-bound"), (8.1, "compute-bound")])
 def test_min_headroom_threshold_flips_memory_bound(headroom_gb, expected):
     quiet = rank(compute=80, overlapped=10, transfer=4, wait=2, input_wait=1)
-    result = diagnose(analysis(quiet), memory=memory(headroom_gb), config=Config(min_headroom_pct=10.0))
+    result = diagnose(analysis(quiet), memory=memory(headroom_gb), config=DiagnosisConfig(min_headroom_pct=10.0))
     assert result.verdict == expected
 
 

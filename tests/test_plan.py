@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import shardlight.planner
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
 from shardlight.planner.inputs import OPTIMIZERS, parse_memory
 from shardlight.planner.plan import (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardlight.build import build_hf_config
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.planner.calibration import (
     BUS_FACTOR,
     LATENCY_ONLY_BYTES,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.planner.fake_step import step_memory
 from shardlight.planner.plan import spec_from_hf_config
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardlight.cli import main
+from shardlight.cli.main import main
 from shardlight.planner.estimate import estimate, tp_allreduces, tp_candidates
 from shardlight.planner.inputs import Workload, make_cluster
 from shardlight.planner.model_spec import model_spec

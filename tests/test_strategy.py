@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, forbid_training, run_cli, save_tiny_llama
 from safetensors.torch import load_file
 
-from shardlight.cli import main
+from shardlight.cli.main import main
 
 WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"

@@ -28,7 +28,7 @@ from test_strategy import (
     run_worker,
 )
 
-from shardlight.cli import main
+from shardlight.cli.main import main
 
 LAYERS = 2
 

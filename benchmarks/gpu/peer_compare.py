@@ -218,7 +218,7 @@ def arm_shardlight(out: Path, overrides: list) -> None:
     import lightning.pytorch as pl
 
     import shardlight.build.trainer as trainer_builder
-    from shardlight.cli import main
+    from shardlight.cli.main import main
 
     class StepEnds(pl.Callback):
         def __init__(self) -> None:
@@ -234,7 +234,7 @@ def arm_shardlight(out: Path, overrides: list) -> None:
             write_times(out, self.ends)
 
     build_callbacks = trainer_builder.build_callbacks
-    trainer_builder.build_callbacks = lambda cfg, ctx: build_callbacks(cfg, ctx) + [StepEnds()]
+    trainer_builder.build_callbacks = lambda cfg, ctx, *rest: build_callbacks(cfg, ctx, *rest) + [StepEnds()]
     with tempfile.TemporaryDirectory() as tmp:
         rc = main(["train", *BASE_OVERRIDES, *overrides, f"output_dir={tmp}"])
     if rc:

@@ -1,15 +1,15 @@
 """The run's callbacks: the one clear line for a collective a dead or hung rank broke (always), the
-observability callbacks a recipe's ``callbacks:`` section enables (``shardlight.callbacks``), the garbage
+instruments' measuring callbacks (handed in: ``shardlight.instruments``), the garbage
 collector's start-up heap frozen (``trainer.gc_freeze``), sharded
 checkpoints (and resume), and preemption handling when a scheduler can requeue the job."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 from lightning.pytorch.callbacks import Callback
 
-from shardlight.callbacks import Shared, build_enabled, peer_failure
+from shardlight.callbacks import peer_failure
 from shardlight.callbacks.gc_freeze import GcFreezeCallback
 from shardlight.callbacks.preemption import PreemptionCallback
 from shardlight.checkpoint import build_checkpoint_callback
@@ -18,13 +18,10 @@ from shardlight.recipe import RecipeConfig
 from shardlight.runtime import RunContext
 
 
-def build_callbacks(cfg: RecipeConfig, ctx: RunContext) -> List[Callback]:
-    shared = Shared(trust_remote_code=cfg.model.trust_remote_code, diagnosis=cfg.diagnosis,
-                    micro_batch_size=cfg.trainer.micro_batch_size,
-                    tp_size=cfg.parallelism.tp_size)
+def build_callbacks(cfg: RecipeConfig, ctx: RunContext, measuring: Sequence[Callback] = ()) -> List[Callback]:
     # First: its on_exception prints the clear line before any other callback's on_exception runs.
     callbacks: List[Callback] = [peer_failure.build()]
-    callbacks += build_enabled(cfg.callbacks, ctx, shared)
+    callbacks += measuring
     if cfg.trainer.gc_freeze:
         callbacks.append(GcFreezeCallback())
     checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 
 from shardlight.build.callbacks import build_callbacks
 from shardlight.build.loggers import build_loggers
@@ -36,13 +37,14 @@ def _not_chatter(record: logging.LogRecord) -> bool:
     return not any(chatter in message for chatter in _CHATTER)
 
 
-def build_trainer(cfg: RecipeConfig, ctx: RunContext) -> pl.Trainer:
+def build_trainer(cfg: RecipeConfig, ctx: RunContext, measuring: Sequence[Callback] = ()) -> pl.Trainer:
+    """``measuring``: the instruments' callbacks (``shardlight.instruments``), placed among the core's."""
     t = cfg.trainer
     for name in (*_LIGHTNING_INFO_LOGGERS, _LIGHTNING_DIST_LOGGER):
         logging.getLogger(name).addFilter(_not_chatter)  # once: a logger keeps a filter only once
     strategy = build_strategy(cfg)
     loggers = build_loggers(cfg, ctx)
-    callbacks = build_callbacks(cfg, ctx)
+    callbacks = build_callbacks(cfg, ctx, measuring)
     if t.progress_bar:
         # The observability callbacks log through the loggers; the bar reads their latest values from this one.
         latest = LatestMetrics()

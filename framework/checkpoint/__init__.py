@@ -3,9 +3,10 @@
 - ``store``: the on-disk format: layout, discovery, the newest complete checkpoint, verification.
 - ``resume``: which checkpoint a run resumes from (``resolve_resume``), loading it (``load_sharded``).
 - ``callback``: the Lightning ``CheckpointCallback`` (saves, ``keep_last``, resume) and its builder.
-- ``export``: Hugging Face export, verified, from the live run (``export_live``) or a checkpoint.
-- ``adapter_export``: the same for PEFT runs (adapter dir, merged model); its ``export_live`` and
-  ``export_checkpoint`` are the package's, handing full models on to ``export``'s.
+- ``export``: Hugging Face export of a full model, verified, from the live run (``export_full_live``) or a
+  checkpoint (``export_full_checkpoint``).
+- ``adapter_export``: the package's ``export_live`` and ``export_checkpoint``: a PEFT run's (adapter dir, merged
+  model), handing full models on to ``export``'s.
 - ``inspect``: the ``shardlight inspect`` listing, from DCP metadata.
 """
 

@@ -27,13 +27,16 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.adapters import ADAPTER_NAME, is_adapter_model, quantization_config
-from shardlight.checkpoint import export as full_export
 from shardlight.checkpoint.export import (
     EXPORT_CHECK_FILE,
     EXPORT_REPORT_FILE,
     EXPORT_TOLERANCE,
     MODEL_DIR,
     check_batch,
+    export_full_checkpoint,
+    export_full_live,
+    load_saved_weights,
+    reference_and_full_state,
     refuse_nonfinite,
 )
 from shardlight.checkpoint.store import (
@@ -152,14 +155,14 @@ def export_adapter_state(state: Dict[str, torch.Tensor], *, config: Any, peft_co
 
 # ---------------------------------------------------------------- from the live run
 def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
-    """The trained model → ``run_dir/model/`` (``export.export_live``); a PEFT model → ``run_dir/model/adapter``
+    """The trained model → ``run_dir/model/`` (``export.export_full_live``); a PEFT model → ``run_dir/model/adapter``
     (no merge: ``shardlight export --merge`` writes that), verified against the live sharded model's logits.
     Every rank must call it; elsewhere than rank 0 ``export_max_abs_diff`` is None."""
     if not is_adapter_model(module.model):
-        return full_export.export_live(trainer, module, tokenizer, run_dir)
+        return export_full_live(trainer, module, tokenizer, run_dir)
     out_dir = Path(run_dir) / MODEL_DIR
     config = module.model.config
-    reference, state = full_export.reference_and_full_state(trainer, module)
+    reference, state = reference_and_full_state(trainer, module)
     if not trainer.is_global_zero:
         return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
     report = export_adapter_state(state, config=config, peft_config=module.model.peft_config[ADAPTER_NAME],
@@ -199,7 +202,7 @@ def load_adapter_checkpoint_model(checkpoint: Path) -> Any:
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf)), dtype=dtypes[0])
     model = get_peft_model(base, LoraConfig.from_pretrained(str(hf)))
     wanted = [n for n, p in model.named_parameters() if p.requires_grad or meta["base_in_checkpoint"]]
-    full_export.load_saved_weights(model, checkpoint, saved, wanted)
+    load_saved_weights(model, checkpoint, saved, wanted)
     base.tie_weights()
     return model.eval()
 
@@ -207,14 +210,14 @@ def load_adapter_checkpoint_model(checkpoint: Path) -> Any:
 @torch.no_grad()
 def export_checkpoint(path: Path, out_dir: Path, merge: bool = False) -> Dict[str, Any]:
     """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified export; a full model as
-    ``export.export_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/merged`` with ``merge``). The report
+    ``export.export_full_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/merged`` with ``merge``). The report
     is also written to ``OUT/export_report.json``; nothing is written when the checkpoint does not verify."""
     checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
     peft_meta = adapter_metadata(checkpoint)
     if peft_meta is None:
         if merge:
             raise ShardlightError(f"--merge merges LoRA adapters; checkpoint {checkpoint} holds a full model")
-        return full_export.export_checkpoint(checkpoint, out_dir)
+        return export_full_checkpoint(checkpoint, out_dir)
     model = load_adapter_checkpoint_model(checkpoint)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     reference = model.float()(input_ids=check_batch(model.config.vocab_size)).logits

@@ -44,7 +44,7 @@ from shardlight.checkpoint.store import (
     describe_file,
 )
 from shardlight.collectives import all_gather_objects
-from shardlight.data_loader import SKIP_BATCHES, ResumableDataLoader
+from shardlight.data import SKIP_BATCHES, ResumableDataLoader
 from shardlight.runtime import RunContext
 
 

@@ -3,9 +3,9 @@
 :func:`export_and_verify` does the work; its two callers differ only in where the weights and the
 reference logits come from:
 
-- :func:`export_live` (end of training, every rank): the live FSDP model's full state dict (gathered on
+- :func:`export_full_live` (end of training, every rank): the live FSDP model's full state dict (gathered on
   rank 0) and the live model's logits → ``run_dir/model/``, check batch in ``run_dir/export_check.safetensors``.
-- :func:`export_checkpoint` (``shardlight export``, one process): the architecture from the checkpoint's
+- :func:`export_full_checkpoint` (``shardlight export``, one process): the architecture from the checkpoint's
   ``hf/`` config with DCP reading the model shards straight into it (the optimizer state is never read),
   and that model's logits → ``OUT/``, check batch in ``OUT/export_check.safetensors``, report in
   ``OUT/export_report.json``.
@@ -115,7 +115,7 @@ def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedC
 
 
 # ---------------------------------------------------------------- from the live run
-def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
+def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
     """The trained model → ``run_dir/model/``, verified against the live (sharded) model's logits.
 
     Every rank must call it (the reference forward and the full state dict gather); the files are written
@@ -182,7 +182,7 @@ def load_saved_weights(model: torch.nn.Module, checkpoint: Path, saved: Dict[str
 
 
 @torch.no_grad()
-def export_checkpoint(path: Path, out_dir: Path) -> CheckpointExportReport:
+def export_full_checkpoint(path: Path, out_dir: Path) -> CheckpointExportReport:
     """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified HF dir; the report is also
     written to ``out_dir/export_report.json``. Nothing is written when the checkpoint does not verify."""
     checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)

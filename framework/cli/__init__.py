@@ -1,8 +1,3 @@
-"""The ``shardlight`` command: ``main`` assembles one parser from one module per command.
-
-The top layer: it may import anything of shardlight's; nothing imports it.
+"""The ``shardlight`` command: ``cli.main`` assembles one parser from one module per command (``main`` is the
+console entry point). The top of the tree: it may import anything of shardlight's; nothing imports it.
 """
-
-from shardlight.cli.main import main
-
-__all__ = ["main"]

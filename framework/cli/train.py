@@ -15,17 +15,18 @@ def run_train(args: argparse.Namespace) -> int:
     # Quiet third-party chatter that is not the user's concern on an offline CPU run.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
-    from shardlight.recipe import load_recipe, to_yaml  # the schema imports the callbacks, and so torch
+    from shardlight.recipe import load_recipe, to_yaml
 
     cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
-    from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
-
     # No other rank starts before the run is accepted: train() runs the preflight first, and only then does
     # Lightning's launcher start ranks 1..N-1 (issue 34: ranks started ahead of it outran its refusal).
-    summary = train(RunContext.from_env(), cfg, summary_json=args.summary_json)
+    from shardlight.instruments import Measurements  # the measuring callbacks, then the verdict
+    from shardlight.train import train  # torch, Lightning, transformers: only once the recipe is known good
+
+    summary = train(RunContext.from_env(), cfg, summary_json=args.summary_json, instruments=[Measurements()])
     # This rank's collectives are over: shut its process group down while the interpreter is whole (torch's
     # advice). Left to interpreter exit, gloo's threads can outlive what they hold and abort the rank ("terminate
     # called without an active exception", pytorch#190489), and under srun one aborted task fails the whole job.

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from shardlight.diagnosis.config import Config
 from shardlight.diagnosis.facts import gather_facts
 from shardlight.diagnosis.model import Diagnosis
 from shardlight.diagnosis.split import overall_split, shares, split_by_rank
 from shardlight.diagnosis.verdicts import RULES, RULES_BY_VERDICT, Rule
+from shardlight.recipe.instrument_sections import DiagnosisConfig
 
 FALLBACK = "compute-bound"
 
@@ -35,7 +35,7 @@ def missing_from(analysis: Mapping[str, Any]) -> list:
 
 def diagnose(analysis: Mapping[str, Any], *, memory: Optional[Mapping] = None,
              throughput: Optional[Mapping[str, Any]] = None, wrap: Optional[Mapping[str, Any]] = None,
-             alternatives: Optional[Sequence[Mapping[str, Any]]] = None, config: Config = Config(),
+             alternatives: Optional[Sequence[Mapping[str, Any]]] = None, config: DiagnosisConfig = DiagnosisConfig(),
              micro_batch_size: Optional[int] = None,
              missing_ranks: Sequence[int] = ()) -> Diagnosis:
     """Classify one profiled window. ``analysis``: ``shardlight.trace.analyze_traces``' dict with each rank's

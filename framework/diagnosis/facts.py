@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from shardlight.diagnosis.config import Config
+from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace.metrics import mesh_role
 
 GB = 1e9
@@ -58,7 +58,7 @@ class Facts:
     split: Dict[str, float]
     by_rank: Dict[int, Dict[str, float]]
     shares: Dict[str, float]
-    config: Config
+    config: DiagnosisConfig
     memory: Dict[int, Dict[str, float]] = field(default_factory=dict)
     throughput: Optional[Dict[str, Any]] = None
     wrap: Optional[Dict[str, Any]] = None
@@ -183,7 +183,7 @@ def tp_exposed_per_step(analysis: Mapping[str, Any], by_rank: Mapping[int, Mappi
 
 
 def gather_facts(analysis: Mapping[str, Any], by_rank: Dict[int, Dict[str, float]], split: Dict[str, float],
-                 shares: Dict[str, float], *, config: Config, memory: Optional[Mapping] = None,
+                 shares: Dict[str, float], *, config: DiagnosisConfig, memory: Optional[Mapping] = None,
                  throughput: Optional[Mapping[str, Any]] = None, wrap: Optional[Mapping[str, Any]] = None,
                  alternatives: Optional[Sequence[Mapping[str, Any]]] = None, micro_batch_size: Optional[int] = None,
                  missing_ranks: Sequence[int] = ()) -> Facts:

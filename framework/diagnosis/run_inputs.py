@@ -19,11 +19,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
-from shardlight.diagnosis.config import Config
 from shardlight.diagnosis.diagnose import diagnose, missing_from
 from shardlight.diagnosis.model import Diagnosis
 from shardlight.diagnosis.split import check_same_steps
 from shardlight.errors import ShardlightError
+from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace import analyze_traces
 from shardlight.trace.analysis import is_trace_name
 
@@ -45,11 +45,11 @@ class RunInputs:
     throughput: Optional[Dict[str, Any]] = None
     wrap: Optional[Dict[str, Any]] = None
     settings: Dict[str, Any] = field(default_factory=dict)
-    config: Config = field(default_factory=Config)
+    config: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     missing_ranks: List[int] = field(default_factory=list)
 
     def diagnosis(self, *, alternatives: Optional[Sequence[Mapping[str, Any]]] = None,
-                  config: Optional[Config] = None) -> Diagnosis:
+                  config: Optional[DiagnosisConfig] = None) -> Diagnosis:
         return diagnose(self.analysis, memory=self.memory or None, throughput=self.throughput, wrap=self.wrap,
                         alternatives=alternatives, config=config or self.config,
                         micro_batch_size=self.settings.get("micro_batch_size"),
@@ -136,9 +136,9 @@ def run_settings(run_dir: Path) -> Dict[str, Any]:
             "diagnosis": recipe.get("diagnosis") or {}}
 
 
-def config_from(section: Mapping[str, Any]) -> Config:
-    known = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in section.items() if k in known})
+def config_from(section: Mapping[str, Any]) -> DiagnosisConfig:
+    known = {f.name for f in fields(DiagnosisConfig)}
+    return DiagnosisConfig(**{k: v for k, v in section.items() if k in known})
 
 
 def load_run_inputs(path, *, metrics: Optional[Mapping[str, List[float]]] = None) -> RunInputs:

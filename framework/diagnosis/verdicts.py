@@ -1,4 +1,4 @@
-"""The verdict table: one row per verdict, what share it reads, which ``Config`` threshold decides it, and
+"""The verdict table: one row per verdict, what share it reads, which ``DiagnosisConfig`` threshold decides it, and
 how its evidence, its one-line lead and its actions are built. A new verdict is one row and its builders.
 
 Shares are % of the step (memory-bound: free memory, % of capacity, firing *below* its threshold).
@@ -18,7 +18,7 @@ from shardlight.diagnosis.model import Action
 class Rule:
     verdict: str
     share: Callable[[Facts], Optional[float]]
-    threshold_key: Optional[str]               # a Config field; None: the fallback verdict
+    threshold_key: Optional[str]               # a DiagnosisConfig field; None: the fallback verdict
     evidence: Callable[[Facts], Dict[str, Any]]
     lead: Callable[[Facts], str]
     actions: Callable[[Facts], List[Action]]

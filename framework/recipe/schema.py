@@ -6,11 +6,10 @@ table all read them from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from shardlight.callbacks import REGISTRY as CALLBACKS
-from shardlight.diagnosis import Config as DiagnosisConfig
+from shardlight.recipe.instrument_sections import CallbacksConfig, DiagnosisConfig
 
 
 @dataclass
@@ -334,15 +333,6 @@ class LoggingConfig:
     csv: bool = field(default=True, metadata={"help": "Also write metrics.csv in the run dir."})
 
 
-# The ``callbacks:`` section: one sub-section per registered callback, its ``Config`` owned by its module
-# (shardlight/callbacks/<name>.py), so a new callback needs no edit here.
-CallbacksConfig = make_dataclass(
-    "CallbacksConfig",
-    [(name, module.Config, field(default_factory=module.Config)) for name, module in CALLBACKS.items()],
-    namespace={"__module__": __name__, "__doc__": "One section per callback in shardlight.callbacks.REGISTRY."},
-)
-
-
 # The adapter methods training builds (shardlight.adapters); qlora loads the base in 4 bits (bitsandbytes, GPU).
 PEFT_METHODS = (None, "lora", "qlora")
 
@@ -401,7 +391,6 @@ class RecipeConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
-    # Owned by shardlight.diagnosis (its thresholds), like each callback's section.
     diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -49,7 +49,7 @@ def _counted_forward(self, *args, **kwargs):
 modeling_llama.LlamaDecoderLayer.forward = _counted_forward
 
 if __name__ == "__main__":
-    from shardlight.cli import main
+    from shardlight.cli.main import main
 
     code = main(sys.argv[1:])
     out = os.environ.get("SHARDLIGHT_COUNTS_DIR")

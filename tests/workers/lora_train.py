@@ -32,7 +32,7 @@ ShardlightFSDPStrategy.full_state_dict = _keeping_full_state_dict
 if __name__ == "__main__":
     import json
 
-    from shardlight.cli import main
+    from shardlight.cli.main import main
 
     code = main(sys.argv[1:])
     out = os.environ.get("SHARDLIGHT_COUNTS_DIR")
