@@ -68,8 +68,6 @@ print("RESULT " + json.dumps({"seconds": total, "sets": out}))
 SHARDLIGHT_RUNNER = r"""
 import json, sys, time
 from shardlight.trace import analyze_traces
-from shardlight.trace.chunks import keep_heap_top
-keep_heap_top()  # as `shardlight analyze` does before it reads
 out, total = {}, 0.0
 for set_dir in json.loads(sys.argv[1]):
     start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -122,28 +123,32 @@ def test_streaming_reader_is_chunk_size_independent(monkeypatch):
     assert analyze_trace_file(path) == whole
 
 
+class _Refuses:
+    """A decoder that refuses every window with ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def decode(self, text):
+        raise self.error("refused")
+
+
 @needs_shared
 @pytest.mark.parametrize("set_name", _set_names())
-def test_fast_scan_reads_what_the_full_reader_reads(set_name, monkeypatch):
-    """Every shared file: the fast scan (regexes over the raw bytes) takes its fast path, with no chunk decoded
-    event by event, and keeps exactly the device rows, launch times, NCCL args and step rows that decoding
-    every event gives."""
-    from dataclasses import asdict
+def test_typed_plain_and_json_decoding_read_the_same_records(set_name, monkeypatch):
+    """Every shared file: its windows decoded into Event structs (the usual way), into plain values (an event
+    msgspec does not accept as an Event), and event by event with the json module (a window msgspec does not
+    accept at all) give the same record."""
+    import msgspec
 
-    from shardlight.trace import fastscan, regions
-
-    slow_chunks = []
-    original = regions.Scanner._scan_pieces
-    monkeypatch.setattr(regions.Scanner, "_scan_pieces",
-                        lambda self, buf, start, end: (slow_chunks.append(start), original(self, buf, start, end)))
     for path in sorted((SHARED / set_name).iterdir()):
-        full = reader._read_trace(path)
-        fast = fastscan.scan_trace(path, reader._CHUNK_CHARS)
-        assert fast.gpu_name, path
-        assert {k: v for k, v in asdict(fast).items() if k != "cpu_rows"} == \
-               {k: v for k, v in asdict(full).items() if k != "cpu_rows"}, path
-        assert fast.rows("enumerate(DataLoader)") == full.rows("enumerate(DataLoader)")
-    assert slow_chunks == []
+        typed = asdict(reader.read_trace(path))
+        assert typed["gpu_name"], path
+        small = path.stat().st_size < 2 << 20  # event by event with json takes seconds on the large ones
+        for error in [msgspec.ValidationError] + [msgspec.DecodeError] * small:
+            with monkeypatch.context() as patch:
+                patch.setattr(reader, "_EVENTS_DECODER", _Refuses(error))
+                assert asdict(reader.read_trace(path)) == typed, (path, error)
 
 
 @needs_shared
@@ -211,44 +216,6 @@ def _nccl_args_trace(stretches) -> dict:
                         if kind != "plain" else "gemm_kernel", "pid": 0, "tid": stream, "ts": ts + 20, "dur": 300,
                         "args": args}]
     return {"schemaVersion": 1, "distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": events}
-
-
-@pytest.mark.parametrize("stretches", [["plain"] * 6 + ["nccl"] * 3 + ["plain"] * 3 + ["args"] * 2 + ["plain"] * 3,
-                                       ["args"] + ["plain"] * 4 + ["args"], ["plain"] * 8])
-def test_fast_scan_looks_for_nccl_args_only_in_regions_with_nccl_kernels_until_it_finds_some(
-        tmp_path, monkeypatch, stretches):
-    """Small chunks make many regions. Until a region shows NCCL kernels with their collective's args, a region
-    looks for those args only when its rows hold an NCCL kernel; the one that first finds them is matched again
-    for their positions. The record equals the full reader's wherever the args first appear."""
-    from dataclasses import asdict
-
-    from shardlight.trace import fastscan, regions
-
-    path = _write(tmp_path / "r0.json", _nccl_args_trace(stretches))
-    looked, scanned = [], []
-    original_look, original_region = regions.Scanner._has_comm_args, regions.Scanner._scan_region
-    monkeypatch.setattr(regions.Scanner, "_scan_pieces", lambda *args: pytest.fail("a region was decoded"))
-    monkeypatch.setattr(regions.Scanner, "_has_comm_args",
-                        staticmethod(lambda buf, start, end: (looked.append(len(scanned) - 1),
-                                                              original_look(buf, start, end))[1]))
-    monkeypatch.setattr(regions.Scanner, "_scan_region",
-                        lambda self, buf, start, end, steps: (scanned.append(start),
-                                                              original_region(self, buf, start, end, steps)))
-    fast = fastscan.scan_trace(path, 1 << 13)  # chunks of 4 KiB
-    full = reader._read_trace(path)
-    assert {k: v for k, v in asdict(fast).items() if k != "cpu_rows"} == \
-           {k: v for k, v in asdict(full).items() if k != "cpu_rows"}
-    assert len(fast.gpu_args) == 40 * stretches.count("args")
-    assert len(scanned) > 2 * len(stretches)  # several regions a stretch
-    looking = sorted(set(looked))  # the regions that looked (the first with args looks before its second match)
-    if "args" not in stretches and "nccl" not in stretches:
-        assert looking == []  # no NCCL kernel: no search at all
-    elif stretches[0] == "args":
-        assert looking == list(range(len(scanned)))  # args in the first region: every region looks, as before
-    else:
-        assert min(looking) >= len(scanned) * stretches.index("nccl") // len(stretches) - 1  # not before NCCL
-        assert set(range(min(looking), len(scanned))) - set(looking)  # nor in the plain stretch after it
-        assert looking[-1] == len(scanned) - 1  # once args were seen, every region looks
 
 
 def test_synthetic_trace_metrics_and_last_step_filter(tmp_path):

@@ -20,7 +20,6 @@ from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
 from shardlight.trace import analyze_trace_file, analyze_traces, combine, reader
 from shardlight.trace.bandwidth import bucket_of
-from shardlight.trace.fastscan import scan_trace
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDLIGHT_SHARED_TRACES") or REPO.parent / "shared" / "traces")
@@ -182,19 +181,20 @@ def test_live_path_combine_equals_analyze_traces(tmp_path):
         combine(per_rank, link_peak_gbps=-1)
 
 
-def test_fast_and_full_readers_keep_the_same_comm_args_and_input_rows(tmp_path, monkeypatch):
+def test_the_reader_keeps_the_same_comm_args_and_input_rows_at_any_window_size(tmp_path, monkeypatch):
     path = _write_run(tmp_path / "run")
     trace = path / "rank0.pt.trace.json"
-    full = reader._read_trace(trace)
-    for chunk in (1 << 20, 4093, 512):
-        fast = scan_trace(trace, chunk)
-        assert fast.gpu_args == full.gpu_args and len(fast.gpu_args) == 2
-        assert [vars(row) for row in fast.rows("enumerate(DataLoader)")] == \
-               [vars(row) for row in full.rows("enumerate(DataLoader)")]
-        assert fast.world_size == full.world_size == 2
-    whole = analyze_trace_file(trace, payload=True)
-    monkeypatch.setattr(reader, "_CHUNK_CHARS", 4093)
-    assert analyze_trace_file(trace, payload=True) == whole
+    whole = reader.read_trace(trace)
+    whole_analysis = analyze_trace_file(trace, payload=True)
+    assert len(whole.gpu_args) == 2 and whole.world_size == 2
+    for chunk in (4093, 512):
+        monkeypatch.setattr(reader, "_CHUNK_CHARS", chunk)
+        small = reader.read_trace(trace)
+        assert small.gpu_args == whole.gpu_args
+        assert [vars(row) for row in small.rows("enumerate(DataLoader)")] == \
+               [vars(row) for row in whole.rows("enumerate(DataLoader)")]
+        assert small.world_size == 2
+        assert analyze_trace_file(trace, payload=True) == whole_analysis
 
 
 def test_gloo_collate_inside_the_loader_is_input_not_compute(tmp_path):

@@ -20,8 +20,7 @@ arrive) and TRANSFER (after it arrived), with clock offsets between ranks estima
 collectives' ends; bus bandwidth per collective uses nccl-tests' sizes and factors. Input
 time is torch DataLoader's __next__ on the main thread.
 
-Large inputs are decoded by this process and forked children together (several files at once,
-or a large file in parts) when CPUs are idle; --workers sets how many processes in all.
+Several large files are decoded in a pool of processes (--workers sets how many).
 """
 
 
@@ -43,8 +42,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--link-peak-gbps", type=float, metavar="GB/s", default=None,
                         help="a link's peak bandwidth (GB/s): report bus bandwidth as a share of it")
     parser.add_argument("--workers", type=int, metavar="N", default=None,
-                        help="processes that decode the trace files, this one included (default: from their "
-                             "size and the idle CPUs; 1: this one alone). Same results either way")
+                        help="processes that decode the trace files (default: from their number and size and "
+                             "this process's CPUs; 1: this one alone). Same results either way")
     parser.set_defaults(func=run_analyze)
 
 
@@ -55,10 +54,8 @@ def run_analyze(args) -> int:
         raise ShardlightError(f"--workers must be 1 or more, got {args.workers}")
     # numpy and the analyzer (about 150 ms of imports) for this command only, not for every command's parser
     from shardlight.trace.analysis import analyze_traces
-    from shardlight.trace.chunks import keep_heap_top
     from shardlight.trace.report import format_split, format_summary, format_table, write_plot
 
-    keep_heap_top()  # this process only reads traces: see chunks.keep_heap_top
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
                               link_peak_gbps=args.link_peak_gbps, workers=args.workers)
     print(format_table(analysis))

@@ -2,8 +2,8 @@
 
 The layers, each importing only the ones above it:
 
-* reading: ``chunks`` (decompressed bytes and byte facts) -> ``fastscan`` (GPU traces by regex)
-  and ``reader`` (the full read, errors) -> ``records`` (the backend-neutral TraceRecord);
+* reading: ``reader`` (files, one or several in worker processes; errors) -> ``records`` (the
+  backend-neutral TraceRecord, and the Collector that fills it from events);
 * ``events``: the Events a source hands the metrics, and HTA's rounding and last-step filter;
 * ``sources``: one module per communication backend (``nccl``, ``gloo``) behind one interface,
   and the registry that picks the source of a record;

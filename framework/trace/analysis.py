@@ -16,9 +16,8 @@ from typing import Any, Callable, Iterable
 from shardlight.errors import ShardlightError
 from shardlight.trace.events import TimeRules
 from shardlight.trace.metrics import UNASSIGNED_STEP, collect_step_names, measure_record, prepare
-from shardlight.trace.parallel import read_traces_then
 from shardlight.trace.payload import ALL, build_payload
-from shardlight.trace.reader import read_trace
+from shardlight.trace.reader import read_trace, read_traces
 from shardlight.trace.records import TraceRecord
 from shardlight.trace.sources import source_for
 from shardlight.trace.split import TIMELINE, cross_rank
@@ -82,9 +81,9 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
     Returns the records sorted by rank and the directory entries that were skipped, with why.
     A bad file named explicitly, or two files with the same rank, is an error.
 
-    ``workers``: processes that decode the files (:func:`.parallel.read_traces`): None decides
-    from the files' sizes and the CPUs, 1 reads them
-    here. The records, skips and errors are the same either way.
+    ``workers``: processes that decode the files (:func:`.reader.read_traces`): None decides
+    from the files' sizes and the CPUs, 1 reads them here. The records, skips and errors are the
+    same either way.
     """
     records, skipped, _ = _load_traces(paths, workers)
     return records, skipped
@@ -93,7 +92,7 @@ def load_traces(paths: Iterable[str | Path], workers: int | None = None,
 def _load_traces(paths: Iterable[str | Path], workers: int | None,
                  then: Callable[[TraceRecord], Any] | None = None,
                  ) -> tuple[list[TraceRecord], list[dict[str, str]], dict[str, Any]]:
-    """``load_traces``, and ``then`` of the records a worker read (:func:`.parallel.read_traces_then`), by
+    """``load_traces``, and ``then`` of the records a worker read (:func:`.reader.read_traces`), by
     their record's path."""
     skipped: list[dict[str, str]] = []
     paths = [Path(raw) for raw in paths]
@@ -107,7 +106,7 @@ def _load_traces(paths: Iterable[str | Path], workers: int | None,
                 files.extend(_directory_files(path) if path.is_dir() else [path] if path.is_file() else [])
             except (ShardlightError, OSError):
                 pass  # worded below, in order
-        read, thens = read_traces_then(files, workers, then)
+        read, thens = read_traces(files, workers, then)
         early = {str(path): value for path, value in thens.items()}
     records: list[TraceRecord] = []
     for path in paths:
@@ -255,10 +254,11 @@ def _analysis_ahead(record: TraceRecord, include_last_step: bool) -> tuple[bool,
     """A rank's analysis in the worker that read it, before the other ranks' step names are known: whether
     its own names make the last-step filter apply, and the result. It is the result of ``analyze_records``
     when the whole set's names decide the same (the filter uses only this rank's steps). None: the
-    analysis fails, and ``analyze_records`` says why."""
+    analysis fails (whatever the error), and ``analyze_records`` says why, or skips the record first (a
+    duplicate rank)."""
     try:
         return TimeRules.filters_steps(len(record.step_names)), _analyze(record, include_last_step, None)
-    except ShardlightError:
+    except Exception:  # noqa: BLE001 - redone, where the error shows, by analyze_records if it needs the rank
         return None
 
 

@@ -4,7 +4,7 @@
 parses it back; the live comm callback needs neither to analyse the window. Here the same
 activities are read from the profiler's memory (``kineto_results.trace_activities()``: the
 objects Kineto's chrome-trace writer serialises) and handed to the same :class:`Collector` as the
-readers, as the dicts the file would decode to, so :func:`analyze_profile` is
+reader, as the events the file would decode to, so :func:`analyze_profile` is
 ``analyze_trace_file(path)`` of the file the profiler would export, through the same ``_analyze``.
 
 What the file has that memory does not, and how it is made up here:
@@ -37,8 +37,8 @@ from typing import Any
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.analysis import _analyze
-from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, TraceRecord, as_int
-from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES
+from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, Event, TraceRecord, as_int
+from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES, keep_own_rows
 
 __all__ = ["KINETO_BASE_PERIOD_S", "analyze_profile", "distributed_info", "kineto_base_ns", "profile_record"]
 
@@ -163,8 +163,8 @@ def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _A
             if linked is not None and linked.name() != _PARAM_COMMS:
                 linked = None
         args = _args(act, cat, md, linked) if marked or linked is not None or name.startswith(with_args) else {}
-        add({"ph": "X", "cat": cat, "name": name, "tid": _tid(act.resource_id()), "ts": ts, "dur": dur,
-             "args": args})
+        add(Event(name, cat, ts, dur, _tid(act.resource_id()), args))
+    keep_own_rows(record)  # as read_trace does
     return record
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from shardlight.trace import spans
+import shardlight.trace.spans as spans
 from shardlight.trace.events import COMMUNICATION_CODE, COMPUTATION_CODE, UNKNOWN_COLLECTIVE, Events, TimeRules
 from shardlight.trace.metrics import UNASSIGNED_STEP, step_keys, step_order, step_ranges
 from shardlight.trace.records import INPUT_PREFIX, TraceRecord

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 # HTA classifies these as GPU rows for its last-step filter even though their stream is -1.
 SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
 # torch's DataLoader wraps each ``__next__`` in this annotation: the input pipeline's time.
@@ -50,9 +52,8 @@ class TraceRecord:
     rank: int  # distributedInfo.rank; 0 when the file has none
     # HTA rounds every timestamp of a file (ceil start, floor end) when its ts column is float.
     float_timestamps: bool = False
-    # Device rows (args.stream != -1: what HTA's GPU analyses look at) by column: the fast
-    # reader extends these from regex matches and the sources turn them into arrays, all
-    # without a Python object per kernel. HTA's filter treats a row as a GPU kernel only with
+    # Device rows (args.stream != -1: what HTA's GPU analyses look at) by column: the sources
+    # turn them into arrays without a Python object per kernel. HTA's filter treats a row as a GPU kernel only with
     # stream >= 0 and correlation >= 0 (gpu_is_kernel); anything else on a stream is filtered
     # like a CPU row, by its own timestamp.
     gpu_name: list[str] = field(default_factory=list)
@@ -67,7 +68,7 @@ class TraceRecord:
     # names containing "ProfilerStep" on any kept row: HTA counts them to decide whether to filter
     step_names: set[str] = field(default_factory=set)
     # name prefix -> the CPU rows (stream -1, not ProfilerStep) starting with it, in trace order;
-    # only the prefixes the Collector was given, and none on the fast path (see fastscan).
+    # only the prefixes the Collector was given.
     cpu_rows: dict[str, list[CpuRow]] = field(default_factory=dict)
     # index into the gpu_* columns -> comm_args of that row (NCCL kernels that say their collective)
     gpu_args: dict[int, dict] = field(default_factory=dict)
@@ -116,6 +117,59 @@ def as_int(value: Any, default: int = -1) -> int:
         return default
 
 
+class Args(msgspec.Struct, gc=False):
+    """The keys of an event's ``args`` the Collector reads, as the reader decodes them (:class:`Event`): an
+    absent stream or correlation is -1 (as ``args.get(key, -1)``), another absent key ``UNSET``. Rows that
+    keep their whole args (``Collector``'s ``args_prefixes``) are decoded as dicts instead."""
+
+    stream: Any = -1
+    correlation: Any = -1
+    collective: Any = msgspec.field(default=msgspec.UNSET, name="Collective name")
+    group_name: Any = msgspec.field(default=msgspec.UNSET, name="Process Group Name")
+    group_ranks: Any = msgspec.field(default=msgspec.UNSET, name="Process Group Ranks")
+    group_size: Any = msgspec.field(default=msgspec.UNSET, name="Group size")
+    seq: Any = msgspec.field(default=msgspec.UNSET, name="Seq")
+    in_nelems: Any = msgspec.field(default=msgspec.UNSET, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=msgspec.UNSET, name="Out msg nelems")
+    dtype: Any = msgspec.UNSET
+
+    def comm(self) -> dict | None:
+        """:func:`comm_args` of the dict these args came from."""
+        if self.collective is msgspec.UNSET and self.in_nelems is msgspec.UNSET:
+            return None
+        values = (self.collective, self.group_name, self.group_ranks, self.group_size, self.seq, self.in_nelems,
+                  self.out_nelems, self.dtype)
+        return {key: value for key, value in zip(COMM_ARG_KEYS, values) if value is not msgspec.UNSET}
+
+
+class Event(msgspec.Struct, gc=False):
+    """The fields of a trace event the Collector reads (None: absent). ``args``: an :class:`Args`, the
+    decoded ``args`` value (a dict, or anything), or None."""
+
+    name: Any = None
+    cat: Any = None
+    ts: Any = None
+    dur: Any = None
+    tid: Any = None
+    args: Any = None
+
+
+def event_of(value: Any) -> Event | None:
+    """The Event of a decoded JSON value (None: not an object, which the Collector ignores)."""
+    if not isinstance(value, dict):
+        return None
+    get = value.get
+    return Event(get("name"), get("cat"), get("ts"), get("dur"), get("tid"), get("args"))
+
+
+def needs_args_dict(events: list[Event], args_prefixes: tuple[str, ...]) -> bool:
+    """Whether a row of ``events`` may keep its whole args (its name starts with one of ``args_prefixes``)."""
+    if not args_prefixes:
+        return False
+    return any((name if isinstance(name, str) else str(name)).startswith(args_prefixes)
+               for name in (event.name for event in events))
+
+
 class Collector:
     """Turns decoded events into the compact rows of a TraceRecord.
 
@@ -129,31 +183,31 @@ class Collector:
         self._args_prefixes = tuple(args_prefixes)
         for prefix in self._prefixes:
             record.cpu_rows.setdefault(prefix, [])
-        self._lists_of: dict[str, tuple[list, ...]] = {}  # a name -> the cpu_rows lists of its prefixes
+        self._lists_of: dict[str, tuple[tuple[list, ...], bool]] = {}  # a name -> _lists(name)
 
-    def add(self, event: Any, step_only: bool = False) -> None:
-        """Apply one decoded event; ``step_only`` applies just its ProfilerStep part.
-
-        The fast scanner reads GPU rows and launch calls with regexes and decodes an event only
-        for its step marker, so that part must be separable without counting the rest twice.
-        """
+    def add(self, event: Event) -> None:
+        """Apply one event. Its ``args`` are an :class:`Args` only where no row needs its whole args dict."""
         record = self.record
-        if not isinstance(event, dict):
-            return
-        ts = event.get("ts")
+        ts = event.ts
         if ts is None or isinstance(ts, float):
             record.float_timestamps = True
-        dur = event.get("dur")
-        cat = event.get("cat")
+        dur = event.dur
+        cat = event.cat
         if dur is None or cat is None or cat == "Trace" or ts is None:
             return
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             return
-        name = event.get("name")
+        name = event.name
         if not isinstance(name, str):
             name = str(name)
-        args = event.get("args")
-        if isinstance(args, dict):
+        args = event.args
+        if isinstance(args, Args):
+            stream, correlation = args.stream, args.correlation
+            if type(stream) is not int:
+                stream = as_int(stream)
+            if type(correlation) is not int:
+                correlation = as_int(correlation)
+        elif isinstance(args, dict):
             stream = as_int(args.get("stream", -1))
             correlation = as_int(args.get("correlation", -1))
         else:
@@ -161,13 +215,9 @@ class Collector:
         is_kernel = (stream >= 0 and correlation >= 0) or name in SYNC_EVENT_NAMES
         if "ProfilerStep" in name:
             record.step_names.add(name)
-        if step_only:
-            if stream == -1 and not is_kernel and "ProfilerStep" in name:
-                record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
-            return
         if stream != -1:
-            if isinstance(args, dict) and name.startswith("nccl"):
-                kept = comm_args(args)
+            if name.startswith("nccl"):
+                kept = args.comm() if isinstance(args, Args) else comm_args(args) if isinstance(args, dict) else None
                 if kept is not None:
                     record.gpu_args[len(record.gpu_name)] = kept
             record.add_gpu_row(name, ts, dur, correlation, is_kernel)
@@ -180,40 +230,28 @@ class Collector:
         if stream != -1:
             return
         if "ProfilerStep" in name:
-            record.step_rows.append(CpuRow(name, cat, ts, dur, event.get("tid")))
+            record.step_rows.append(CpuRow(name, cat, ts, dur, event.tid))
         elif self._prefixes and name.startswith(self._prefixes):  # one C call rejects most rows
-            self._keep_cpu_row(name, cat, ts, dur, event.get("tid"), args)
-
-    def add_cpu_row(self, event: Any) -> None:
-        """Only the ``cpu_rows`` part of ``add``: the fast scanner decodes its input rows for this alone."""
-        if not isinstance(event, dict):
-            return
-        ts, dur, cat, name = event.get("ts"), event.get("dur"), event.get("cat"), event.get("name")
-        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) or cat in (None, "Trace"):
-            return
-        args = event.get("args")
-        if isinstance(args, dict) and (as_int(args.get("stream", -1)) != -1 or "correlation" in args):
-            return  # a device row or a launch call: the regexes read those
-        if isinstance(name, str) and "ProfilerStep" not in name and name.startswith(self._prefixes):
-            self._keep_cpu_row(name, cat, ts, dur, event.get("tid"), args)
+            lists, keeps_args = self._lists(name)
+            row = CpuRow(name, cat, ts, dur, event.tid, args if keeps_args and isinstance(args, dict) else None)
+            for rows in lists:
+                rows.append(row)
 
     def add_plain_cpu_row(self, name: str, cat: str, ts: float, dur: float, tid: Any) -> None:
         """``add`` of an event with float ``ts`` and ``dur``, a ``cat`` other than "Trace" and no args the
         Collector reads (no stream, no correlation), whose name holds no "ProfilerStep", is no sync event
         and starts with no ``args_prefixes``: a CPU row, kept under the prefixes its name starts with. The
-        live reader calls this for most of a window's operators, without building their event dicts."""
-        lists = self._lists_of.get(name)
-        if lists is None:
-            lists = self._lists_of[name] = tuple(
-                self.record.cpu_rows[prefix] for prefix in self._prefixes if name.startswith(prefix))
+        live reader calls this for most of a window's operators, without building their events."""
+        lists = self._lists(name)[0]
         if lists:
             row = CpuRow(name, cat, ts, dur, tid)
             for rows in lists:
                 rows.append(row)
 
-    def _keep_cpu_row(self, name: str, cat: Any, ts: Any, dur: Any, tid: Any, args: Any) -> None:
-        keep_args = isinstance(args, dict) and bool(self._args_prefixes) and name.startswith(self._args_prefixes)
-        row = CpuRow(name, cat, ts, dur, tid, args if keep_args else None)
-        for prefix in self._prefixes:
-            if name.startswith(prefix):
-                self.record.cpu_rows[prefix].append(row)
+    def _lists(self, name: str) -> tuple[tuple[list, ...], bool]:
+        """The cpu_rows lists a row named ``name`` goes to, and whether it keeps its args."""
+        kept = self._lists_of.get(name)
+        if kept is None:
+            lists = tuple(self.record.cpu_rows[prefix] for prefix in self._prefixes if name.startswith(prefix))
+            kept = self._lists_of[name] = lists, bool(self._args_prefixes) and name.startswith(self._args_prefixes)
+        return kept

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from shardlight.trace import spans
+import shardlight.trace.spans as spans
 from shardlight.trace.bandwidth import bandwidth
 from shardlight.trace.metrics import json_number
 from shardlight.trace.payload import ALL

@@ -6,7 +6,7 @@ the events the metrics measure. To add a backend, write ``sources/<backend>.py``
 instance to ``SOURCES``.
 
 Order matters: the first source that claims a record analyses it. Device sources come first:
-the fast reader keeps no CPU rows, so a GPU trace must be claimed from its device rows alone.
+a GPU trace is claimed from its device rows, whatever CPU rows it also holds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SOURCES: tuple[Source, ...] = (
 CPU_PREFIXES = tuple(dict.fromkeys([prefix for source in SOURCES for prefix in source.cpu_prefixes] + [INPUT_PREFIX]))
 CPU_ARGS_PREFIXES = tuple(dict.fromkeys(prefix for source in SOURCES for prefix in source.cpu_args_prefixes))
 
-__all__ = ["CPU_ARGS_PREFIXES", "CPU_PREFIXES", "SOURCES", "DeviceSource", "Source", "source_for"]
+__all__ = ["CPU_ARGS_PREFIXES", "CPU_PREFIXES", "SOURCES", "DeviceSource", "Source", "keep_own_rows", "source_for"]
 
 
 def source_for(record: TraceRecord) -> Source:
@@ -37,3 +37,14 @@ def source_for(record: TraceRecord) -> Source:
             return source
     wanted = " and no ".join(source.needs for source in SOURCES)
     raise ShardlightError(f"{record.path}: no {wanted} to analyse")
+
+
+def keep_own_rows(record: TraceRecord) -> None:
+    """Drop the CPU rows that only other sources than ``record``'s ask for (a GPU trace keeps its input
+    annotations alone): the record stays compact, and cheap to send between processes. A record no
+    source claims is left as it is."""
+    for source in SOURCES:
+        if source.claims(record):
+            for prefix in set(record.cpu_rows) - set(source.cpu_prefixes) - {INPUT_PREFIX}:
+                del record.cpu_rows[prefix]
+            return
