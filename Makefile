@@ -61,6 +61,6 @@ bench: setup
 clean:
 	rm -rf $(VENV) runs .pytest_cache build
 
-# Regenerate the README's recipe reference table from the schema.
+# Regenerate docs/recipes.md's recipe reference table from the schema.
 docs: setup
-	$(BIN)/python -m shardlight.recipe.docs --update-readme README.md
+	$(BIN)/python -m shardlight.recipe.docs --update docs/recipes.md
