@@ -152,7 +152,7 @@ def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
     import shardlight.train as train_mod
     from shardlight.instruments import Measurements
     from shardlight.recipe import load_recipe
-    from shardlight.runtime import RunContext
+    from shardlight.run_context import RunContext
 
     if file_analysis:
         _file_path_analysis()

@@ -55,7 +55,7 @@ from shardlight.callbacks._common import (
 )
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import CommConfig, DiagnosisConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 from shardlight.trace import analyze_trace_file
 from shardlight.trace.live import analyze_profile, distributed_info, has_live_events
 

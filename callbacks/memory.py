@@ -52,7 +52,7 @@ from shardlight.callbacks._common import (
 )
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import MemoryConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 BYTE_KEYS = ("peak", "reserved", "capacity", "headroom", "params", "grads", "optim")
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from shardlight.callbacks._common import RankTable, Shared, wandb_runs
 from shardlight.errors import warn
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 RANK_TABLE_KEY = "ranks/table"
 RANK_TABLE_CSV = "ranks.csv"

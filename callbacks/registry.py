@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from shardlight.callbacks import rank_table
 from shardlight.callbacks._common import Findings, Shared
 from shardlight.recipe.instrument_sections import CallbacksConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 NAMES = [f.name for f in fields(CallbacksConfig)]
 

@@ -37,7 +37,7 @@ from typing_extensions import override
 from shardlight.callbacks._common import Findings, Shared, define_wandb_group, interval, log_metrics
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import ThroughputConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 # Dense (no sparsity) peak TFLOP/s per device, from NVIDIA's datasheets. Longest matching name wins.
 PEAK_TFLOPS: Dict[str, Dict[str, float]] = {

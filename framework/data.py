@@ -1,5 +1,5 @@
 """The SFT ``LightningDataModule``: rows → token blocks (files and checks: ``shardlight.data_files``; the tokenizer:
-``shardlight.build.data``).
+``shardlight.build.datamodule``).
 
 Every example becomes ``input_ids`` plus ``labels`` (the ids of supervised tokens, -100 elsewhere; Hugging Face
 causal-LM models shift labels internally). Formats:

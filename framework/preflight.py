@@ -16,12 +16,12 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from shardlight.adapters import apply_adapters, check_adapter_machine, check_adapter_targets
 from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
-from shardlight.build.model import transformers_reason
 from shardlight.build.optimizer import check_optimizer
+from shardlight.build.training_model import transformers_reason
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.recipe import ModelConfig, RecipeConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 from shardlight.strategy.tensor_parallel import check_tensor_parallel
 

@@ -17,13 +17,13 @@ import lightning.pytorch as pl
 import transformers
 
 from shardlight.build import build_datamodule, build_module, build_trainer
+from shardlight.causal_lm import NonFiniteStop
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
-from shardlight.model import NonFiniteStop
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 from shardlight.strategy import resolve_recipe_fsdp
 
 

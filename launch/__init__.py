@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List, Mapping
 
-from shardlight.launch.base import Launcher, LightningLauncher, LocalLauncher, TorchrunLauncher
+from shardlight.launch.launchers import Launcher, LightningLauncher, LocalLauncher, TorchrunLauncher
 from shardlight.launch.slurm import SlurmLauncher
 
 # Most specific first; ``local`` always matches. A new launcher: one file, one line here.

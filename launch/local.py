@@ -7,7 +7,7 @@ import subprocess
 from typing import List, Optional
 
 from shardlight.errors import ShardlightError
-from shardlight.launch.base import without_run_env
+from shardlight.launch.launchers import without_run_env
 from shardlight.launch.slurm import train_command
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from shardlight.errors import ShardlightError
-from shardlight.launch.base import ENV_RUN_DIR, ENV_WANDB_RUN_ID, LightningLauncher, env_int
+from shardlight.launch.launchers import ENV_RUN_DIR, ENV_WANDB_RUN_ID, LightningLauncher, env_int
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 

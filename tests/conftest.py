@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlight.launch.base import without_run_env
+from shardlight.launch.launchers import without_run_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "recipes" / "tiny-llama-sft.yaml"

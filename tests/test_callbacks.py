@@ -385,7 +385,7 @@ def test_registry_is_the_recipe_callbacks_section():
 
 def test_build_enabled_in_registry_order_then_the_rank_table(tmp_path):
     from shardlight.recipe import CallbacksConfig
-    from shardlight.runtime import RunContext
+    from shardlight.run_context import RunContext
 
     ctx = RunContext(run_dir=tmp_path)
     shared = Shared(trust_remote_code=True)

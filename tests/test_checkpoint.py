@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import REPO, forbid_training, run_cli, save_tiny_llama
 
-from shardlight.launch.base import without_run_env
+from shardlight.launch.launchers import without_run_env
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shardlight.diagnosis import VERDICTS, diagnose, render_panel, step_bar, window_line, write_report
-from shardlight.diagnosis.split import PARTS, check_same_steps
+from shardlight.diagnosis.step_split import PARTS, check_same_steps
 from shardlight.errors import ShardlightError
 from shardlight.planner.alternatives import alternatives_from_plan
 from shardlight.recipe.instrument_sections import DiagnosisConfig

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from shardlight.launch.base import without_run_env
+from shardlight.launch.launchers import without_run_env
 
 WORKER = REPO / "tests" / "workers" / "bottleneck_train.py"
 STALL_MS = 300.0

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from shardlight.build.model import build_module
-from shardlight.model import CausalLMModule
+from shardlight.build.training_model import build_module
+from shardlight.causal_lm import CausalLMModule
 from shardlight.recipe import load_recipe
 
 ACCUMULATE, STEPS, SEQ = 2, 3, 16

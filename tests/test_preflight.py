@@ -9,9 +9,9 @@ import huggingface_hub.constants
 import pytest
 from conftest import forbid_training
 
-import shardlight.build.model
+import shardlight.build.training_model
 from shardlight.cli.main import main
-from shardlight.launch.base import RUN_ENV_VARS
+from shardlight.launch.launchers import RUN_ENV_VARS
 from shardlight.preflight import usable_cores
 
 GPT2 = ["model.config.model_type=gpt2", "fsdp.transformer_cls_names_to_wrap=[GPT2Block]"]
@@ -34,9 +34,9 @@ def hub_unreachable(monkeypatch):
     """The network path, as on an air-gapped node: offline mode off, the hub at an address nobody answers."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", UNREACHABLE_ENDPOINT)
-    shardlight.build.model.hub_reachable.cache_clear()
+    shardlight.build.training_model.hub_reachable.cache_clear()
     yield
-    shardlight.build.model.hub_reachable.cache_clear()
+    shardlight.build.training_model.hub_reachable.cache_clear()
 
 
 def assert_one_line_error(capfd, code, *expected):
@@ -167,8 +167,8 @@ def test_offline_mode_never_touches_the_network(tmp_path, capfd, monkeypatch):
         raise AssertionError("HF_HUB_OFFLINE is set, yet shardlight tried the network")
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(shardlight.build.model, "get_session", no_network)
-    shardlight.build.model.hub_reachable.cache_clear()
+    monkeypatch.setattr(shardlight.build.training_model, "get_session", no_network)
+    shardlight.build.training_model.hub_reachable.cache_clear()
     out = tmp_path / "runs"
     code = main(["train", f"output_dir={out}", "tokenizer.name_or_path=shardlight-tests/no-such-tokenizer"])
     assert_one_line_error(capfd, code, "tokenizer.name_or_path 'shardlight-tests/no-such-tokenizer'",

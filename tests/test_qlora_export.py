@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 pytest.importorskip("bitsandbytes")
 
 from shardlight.adapters import ADAPTER_NAME, quantization_config  # noqa: E402
-from shardlight.build.model import build_hf_config, build_training_model  # noqa: E402
+from shardlight.build.training_model import build_hf_config, build_training_model  # noqa: E402
 from shardlight.checkpoint.adapter_export import _peft_on_meta, export_adapter_state  # noqa: E402
 from shardlight.checkpoint.export import check_batch  # noqa: E402
 from shardlight.recipe import load_recipe  # noqa: E402

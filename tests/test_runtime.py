@@ -4,8 +4,8 @@ import re
 from pathlib import Path
 
 from shardlight.launch import detect_launcher
-from shardlight.launch.base import ENV_RESUME_FROM, ENV_RUN_DIR, ENV_WANDB_RUN_ID, without_run_env
-from shardlight.runtime import RunContext
+from shardlight.launch.launchers import ENV_RESUME_FROM, ENV_RUN_DIR, ENV_WANDB_RUN_ID, without_run_env
+from shardlight.run_context import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_a_new_run_started_from_a_rank_gets_none_of_its_variables():
 
 
 def test_shardlight_variables_are_named_in_one_module():
-    """Environment variables belong at process boundaries, named once (launch/base.py)."""
+    """Environment variables belong at process boundaries, named once (launch/launchers.py)."""
     offenders = []
     for folder in ("framework", "callbacks", "launch"):
         for path in (REPO / folder).rglob("*.py"):

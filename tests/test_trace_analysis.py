@@ -14,8 +14,9 @@ import pytest
 from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
 from shardlight.trace import analyze_trace_file, analyze_traces, reader
-from shardlight.trace.classify import COMMUNICATION, COMPUTATION, MEMORY, OTHER, kernel_type, nccl_collective
+from shardlight.trace.events import COMMUNICATION, COMPUTATION, MEMORY, OTHER
 from shardlight.trace.intervals import length, merge, overlap
+from shardlight.trace.sources.nccl import kernel_type, nccl_collective
 
 
 def _shared_traces() -> Path:

@@ -16,7 +16,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from shardlight.trace import analyze_trace_file, classify
+from shardlight.trace import analyze_trace_file
+from shardlight.trace.events import COMMUNICATION, COMPUTATION
+from shardlight.trace.sources.nccl import kernel_type, nccl_collective
 
 out = Path(sys.argv[1])
 summary = json.loads((out / "summary.json").read_text())
@@ -48,13 +50,13 @@ with open(trace, "rb") as src, gzip.open(dest, "wb") as gz:
 data = json.loads(trace.read_text())
 kernels = [e for e in data["traceEvents"] if isinstance(e.get("args"), dict) and "stream" in e["args"]
            and e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-kinds = Counter(classify.kernel_type(e["name"]) for e in kernels)
-collectives = Counter(classify.nccl_collective(e["name"]) for e in kernels
-                      if classify.kernel_type(e["name"]) == classify.COMMUNICATION)
+kinds = Counter(kernel_type(e["name"]) for e in kernels)
+collectives = Counter(nccl_collective(e["name"]) for e in kernels
+                      if kernel_type(e["name"]) == COMMUNICATION)
 result = analyze_trace_file(trace)
 print(f"\n== comm callback's classification of {dest.name} ==")
 print(f"  mode: {result['mode']}; kernels by type: {dict(kinds)}; NCCL kernels by collective: {dict(collectives)}")
-names = Counter(e["name"] for e in kernels if classify.kernel_type(e["name"]) == classify.COMMUNICATION)
+names = Counter(e["name"] for e in kernels if kernel_type(e["name"]) == COMMUNICATION)
 for name, count in names.most_common(5):
     print(f"    {count:5d} x {name}")
 print(f"  comm_us={result['comm_us']} compute_us={result['compute_us']} overlap_pct={result['overlap_pct']} "
@@ -72,7 +74,7 @@ if not collectives:
 problems = []
 if result["mode"] != "gpu":
     problems.append(f"trace mode is {result['mode']}, not gpu")
-if not kinds.get(classify.COMPUTATION):
+if not kinds.get(COMPUTATION):
     problems.append("no computation kernels in the trace")
 for key in ("memory/peak_gb", "memory/capacity_gb", "memory/headroom_gb", "throughput/mfu"):
     if not (isinstance(metrics.get(key), float) and metrics[key] > 0):

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from shardlight.errors import warn
 from shardlight.recipe import RecipeConfig, to_dict
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 
 class AppendingCSVLogger(CSVLogger):

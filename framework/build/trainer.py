@@ -1,20 +1,28 @@
-"""The ``lightning.Trainer``: the recipe's ``trainer:`` section, the strategy, loggers and callbacks."""
+"""The ``lightning.Trainer``: the recipe's ``trainer:`` section, the strategy (``fsdp:``, ``parallelism:``), the
+loggers and the core's callbacks: the one clear line for a collective a dead or hung rank broke (always), the
+instruments' measuring callbacks (handed in: ``shardlight.instruments``), the garbage collector's start-up heap
+frozen (``trainer.gc_freeze``), sharded checkpoints (and resume), and preemption handling when a scheduler can
+requeue the job."""
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from datetime import timedelta
+from typing import List, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from shardlight.build.callbacks import build_callbacks
 from shardlight.build.loggers import build_loggers
-from shardlight.build.strategy import build_strategy
+from shardlight.callbacks import peer_failure
+from shardlight.callbacks.gc_freeze import GcFreezeCallback
+from shardlight.callbacks.preemption import PreemptionCallback
 from shardlight.callbacks.progress import LatestMetrics, StepProgressBar
+from shardlight.checkpoint import build_checkpoint_callback
 from shardlight.launch import launcher_named
 from shardlight.recipe import RecipeConfig
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
+from shardlight.strategy import ShardlightFSDPStrategy, resolve_recipe_fsdp
 
 # Where Lightning's rank_zero_info lands (fabric's name until lightning.pytorch re-points it).
 _LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -35,6 +43,29 @@ def _not_chatter(record: logging.LogRecord) -> bool:
         return True
     message = str(record.msg)
     return not any(chatter in message for chatter in _CHATTER)
+
+
+def build_strategy(cfg: RecipeConfig) -> ShardlightFSDPStrategy:
+    t = cfg.trainer
+    return ShardlightFSDPStrategy(
+        resolve_recipe_fsdp(cfg), precision=t.precision, num_nodes=t.num_nodes, devices=t.devices,
+        num_threads=t.num_threads, timeout=timedelta(seconds=t.collective_timeout_s),
+    )
+
+
+def build_callbacks(cfg: RecipeConfig, ctx: RunContext, measuring: Sequence[Callback] = ()) -> List[Callback]:
+    # First: its on_exception prints the clear line before any other callback's on_exception runs.
+    callbacks: List[Callback] = [peer_failure.build()]
+    callbacks += measuring
+    if cfg.trainer.gc_freeze:
+        callbacks.append(GcFreezeCallback())
+    checkpoint = build_checkpoint_callback(cfg, ctx)  # sharded checkpoints and resume
+    if ctx.launcher == "slurm":
+        launcher = launcher_named(ctx.launcher)
+        # SIGUSR1/SIGTERM: checkpoint at the next step boundary, requeue, exit.
+        callbacks.append(PreemptionCallback(requeue=lambda: launcher.requeue(ctx.job_id),
+                                            save_checkpoint=checkpoint.save if checkpoint is not None else None))
+    return callbacks + ([checkpoint] if checkpoint is not None else [])
 
 
 def build_trainer(cfg: RecipeConfig, ctx: RunContext, measuring: Sequence[Callback] = ()) -> pl.Trainer:

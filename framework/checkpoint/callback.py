@@ -45,7 +45,7 @@ from shardlight.checkpoint.store import (
 )
 from shardlight.collectives import all_gather_objects
 from shardlight.data import SKIP_BATCHES, ResumableDataLoader
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 
 # ---------------------------------------------------------------- RNG state

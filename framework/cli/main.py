@@ -6,11 +6,18 @@ import argparse
 import sys
 from typing import List, Optional
 
-from shardlight.cli import analyze, checkpoint, diagnose, launch, planner, train
+from shardlight.cli import (
+    analyze_command,
+    checkpoint_command,
+    diagnose_command,
+    launch_command,
+    planner_command,
+    train_command,
+)
 from shardlight.errors import ShardlightError
 
 # A new command: one module in shardlight/cli/ and one entry here.
-COMMANDS = (train, analyze, diagnose, checkpoint, planner, launch)
+COMMANDS = (train_command, analyze_command, diagnose_command, checkpoint_command, planner_command, launch_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from shardlight.diagnosis.model import Diagnosis
-from shardlight.diagnosis.split import PARTS
+from shardlight.diagnosis.result import Diagnosis
+from shardlight.diagnosis.step_split import PARTS
 
 # One letter per part of the split, the bar's alphabet (plain ASCII: logs and non-TTY consoles).
 LETTERS = {"compute_ms": "C", "overlapped_ms": "O", "exposed_transfer_ms": "T", "exposed_wait_ms": "W",

@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
-from shardlight.diagnosis.diagnose import diagnose, missing_from
-from shardlight.diagnosis.model import Diagnosis
-from shardlight.diagnosis.split import check_same_steps
+from shardlight.diagnosis.result import Diagnosis
+from shardlight.diagnosis.step_split import check_same_steps
+from shardlight.diagnosis.verdicts import diagnose, missing_from
 from shardlight.errors import ShardlightError
 from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace import analyze_traces

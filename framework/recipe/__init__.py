@@ -1,13 +1,13 @@
 """Recipes: the typed schema (``schema``; the instruments' sections in ``instrument_sections``), YAML + overrides
-→ ``RecipeConfig`` (``load``), recipe files before the schema (``files``), the checks types cannot express
+→ ``RecipeConfig`` (``load``), recipe files before the schema (``recipe_files``), the checks types cannot express
 (``validate``), ``accelerate config`` import (``accelerate``), the reference table (``docs``).
 
 The bottom of the training core: imports nothing of shardlight's but ``errors`` and the shipped
 ``shardlight.recipes`` data (an import contract), and no torch.
 """
 
-from shardlight.recipe.files import DEFAULT_RECIPE, RECIPES_DIR
 from shardlight.recipe.load import load_recipe, to_dict, to_yaml
+from shardlight.recipe.recipe_files import DEFAULT_RECIPE, RECIPES_DIR
 from shardlight.recipe.schema import (
     CallbacksConfig,
     CheckpointConfig,

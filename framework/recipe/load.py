@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe.accelerate import accelerate_config_overrides
-from shardlight.recipe.files import DEFAULT_RECIPE, find_base, load_yaml
+from shardlight.recipe.recipe_files import DEFAULT_RECIPE, find_base, load_yaml
 from shardlight.recipe.schema import FSDPConfig, RecipeConfig
 from shardlight.recipe.validate import validate
 

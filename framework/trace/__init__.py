@@ -8,10 +8,10 @@ The layers, each importing only the ones above it:
 * ``sources``: one module per communication backend (``nccl``, ``gloo``) behind one interface,
   and the registry that picks the source of a record;
 * ``intervals`` and ``metrics``: HTA-compatible measures of one rank's events;
-* ``sizes``, ``spans``, ``payload``, ``bandwidth``, ``split``: the cross-rank wait/transfer split
+* ``sizes``, ``spans``, ``payload``, ``bandwidth``, ``wait_transfer``: the cross-rank wait/transfer split
   of communication (plain interval sets, nccl-tests' sizes and bus bandwidth, clock offsets);
 * ``analysis``: the public API over files, directories and ranks (``combine`` joins per-rank
-  results); ``report``: table, JSON, plot.
+  results); ``analyze_output``: table, JSON, plot.
 """
 
 from shardlight.trace.analysis import analyze_trace_file, analyze_traces, combine

@@ -20,7 +20,7 @@ from shardlight.trace.payload import ALL, build_payload
 from shardlight.trace.reader import read_trace, read_traces
 from shardlight.trace.records import TraceRecord
 from shardlight.trace.sources import source_for
-from shardlight.trace.split import TIMELINE, cross_rank
+from shardlight.trace.wait_transfer import TIMELINE, cross_rank
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 

@@ -45,7 +45,7 @@ def _busy(ms: float) -> None:
 
 
 if STALL_MS > 0:
-    from shardlight.model import CausalLMModule
+    from shardlight.causal_lm import CausalLMModule
 
     _training_step = CausalLMModule.training_step
 

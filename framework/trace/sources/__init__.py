@@ -1,6 +1,6 @@
 """The registry of trace sources: one per communication backend, tried in order.
 
-A source (interface in :mod:`.base`) says which records it analyses and turns their rows into
+A source (interface in :mod:`.interface`) says which records it analyses and turns their rows into
 the events the metrics measure. To add a backend, write ``sources/<backend>.py`` with a
 ``Source`` subclass (a ``DeviceSource`` if its communication runs as GPU kernels) and add an
 instance to ``SOURCES``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.records import INPUT_PREFIX, TraceRecord
-from shardlight.trace.sources.base import DeviceSource, Source
 from shardlight.trace.sources.gloo import GlooSource
+from shardlight.trace.sources.interface import DeviceSource, Source
 from shardlight.trace.sources.nccl import NcclSource
 
 SOURCES: tuple[Source, ...] = (

@@ -27,7 +27,7 @@ from typing import Any
 from shardlight.trace.events import COMMUNICATION, COMPUTATION, UNKNOWN_COLLECTIVE, Events, TimeRules, comm_info
 from shardlight.trace.records import INPUT_PREFIX, CpuRow, TraceRecord
 from shardlight.trace.sizes import dtype_bytes, message_bytes
-from shardlight.trace.sources.base import Source, op_collective
+from shardlight.trace.sources.interface import Source, op_collective
 
 _WORK, _ATEN = "gloo:", "aten::"
 # The calls that issue gloo work, in order of preference: FSDP annotations only when no c10d call is seen.

@@ -21,7 +21,7 @@ import re
 from shardlight.trace.events import COMMUNICATION, COMPUTATION, MEMORY, OTHER, UNKNOWN_COLLECTIVE, comm_info
 from shardlight.trace.records import as_int
 from shardlight.trace.sizes import dtype_bytes, message_bytes
-from shardlight.trace.sources.base import DeviceSource, op_collective
+from shardlight.trace.sources.interface import DeviceSource, op_collective
 
 _COMM_RE = re.compile(r"^nccl.*Kernel")
 _MEMORY_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from shardlight.adapters import apply_adapters, quantization_config
 from shardlight.build.optimizer import build_optimization
 from shardlight.errors import ShardlightError, first_line
-from shardlight.model import CausalLMModule
+from shardlight.causal_lm import CausalLMModule
 from shardlight.recipe import ModelConfig, RecipeConfig
 
 # Long enough for a slow but working link; an air-gapped node answers in ms (no DNS) or never (dropped).

@@ -7,7 +7,7 @@ import os
 import sys
 
 from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ rank it started, which rank, which job, what the run dir is called) and Slurm ca
 launcher is one class in a new file plus one line in ``LAUNCHERS`` (``shardlight/launch/__init__.py``).
 
 The ``SHARDLIGHT_*`` names below are the only environment variables shardlight's own processes hand to
-each other (parent → ranks, sbatch script → job); ``shardlight.runtime.RunContext`` reads and writes them.
+each other (parent → ranks, sbatch script → job); ``shardlight.run_context.RunContext`` reads and writes them.
 """
 
 from __future__ import annotations

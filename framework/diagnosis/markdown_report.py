@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from shardlight.diagnosis.facts import GB, normalize_memory
-from shardlight.diagnosis.model import Diagnosis
 from shardlight.diagnosis.render import COLORS, NAMES, format_value, step_bar
-from shardlight.diagnosis.split import PARTS
+from shardlight.diagnosis.result import Diagnosis
+from shardlight.diagnosis.step_split import PARTS
 from shardlight.errors import ShardlightError
 
 MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optim_bytes", "optimizer state"))

@@ -1,6 +1,6 @@
 """Who this process is and where its run lives: the ``RunContext``, passed as an argument everywhere.
 
-Environment variables (named once, in ``shardlight.launch.base``) are read and written only here, at process
+Environment variables (named once, in ``shardlight.launch.launchers``) are read and written only here, at process
 edges: ``RunContext.from_env()`` when a
 process starts (a launcher's variables say which rank it is; a parent's ``SHARDLIGHT_*`` variables carry
 the decisions it made for the run), and ``ctx.to_env()`` just before the ranks are spawned, so that every
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional
 
 from shardlight.launch import Launcher, detect_launcher
-from shardlight.launch.base import (
+from shardlight.launch.launchers import (
     ENV_FAULT_KILL_IN_SAVE_STEP,
     ENV_RESUME_FROM,
     ENV_RUN_DIR,

@@ -10,7 +10,7 @@ from shardlight.cli.common import add_recipe_items, split_recipe_and_overrides
 from shardlight.errors import ShardlightError
 from shardlight.launch.local import launch_local
 from shardlight.launch.slurm import SlurmAllocation, check_overrides_match, submit, write_job
-from shardlight.runtime import RunContext
+from shardlight.run_context import RunContext
 
 
 def prepare_job(recipe: Optional[str], overrides: List[str], alloc: SlurmAllocation) -> tuple:

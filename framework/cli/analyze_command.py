@@ -54,7 +54,7 @@ def run_analyze(args) -> int:
         raise ShardlightError(f"--workers must be 1 or more, got {args.workers}")
     # numpy and the analyzer (about 150 ms of imports) for this command only, not for every command's parser
     from shardlight.trace.analysis import analyze_traces
-    from shardlight.trace.report import format_split, format_summary, format_table, write_plot
+    from shardlight.trace.analyze_output import format_split, format_summary, format_table, write_plot
 
     analysis = analyze_traces(args.paths, include_last_step=args.include_last_step,
                               link_peak_gbps=args.link_peak_gbps, workers=args.workers)

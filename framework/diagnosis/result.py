@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from shardlight.diagnosis.split import PARTS
+from shardlight.diagnosis.step_split import PARTS
 
 # Every verdict a diagnosis can give, in the table's order; loggers that take numbers only get the index.
 VERDICTS = ("communication-bound", "straggler-bound", "input-bound", "host-bound", "memory-bound", "compute-bound")

@@ -1,7 +1,7 @@
 """The LightningModule around a Hugging Face causal LM: loss on supervised tokens, metrics, grad clipping,
 and the guard against non-finite steps (``trainer.on_nonfinite``).
 
-It builds nothing itself: ``shardlight.build.model.build_module`` hands it the functions that make the model
+It builds nothing itself: ``shardlight.build.training_model.build_module`` hands it the functions that make the model
 (in ``configure_model``, so FSDP wraps it) and the optimizer.
 """
 

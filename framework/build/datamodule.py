@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardlight.build.model import load_pretrained
+from shardlight.build.training_model import load_pretrained
 from shardlight.data import SFTDataModule
 from shardlight.errors import ShardlightError, first_line
 from shardlight.recipe import RecipeConfig
