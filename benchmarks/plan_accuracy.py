@@ -54,10 +54,10 @@ from shardlight.planner.estimate import estimate
 from shardlight.planner.fake_step import (
     build_sharded_model,
     make_optimizer,
+    resolved_fsdp,
     shardlight_loss,
     step_memory,
-    strategy_mesh,
-    tp_meshes,
+    step_mesh,
 )
 from shardlight.planner.inputs import Workload, make_cluster
 from shardlight.planner.model_spec import model_spec
@@ -223,17 +223,13 @@ def measure_real(shape, checkpointing: bool, precision: str, strategy: str = STR
     store = dist.FileStore(store_path, world_size) if store_path else dist.HashStore()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     try:
-        tp_mesh = None
-        if tp > 1:
-            mesh, tp_mesh = tp_meshes(strategy, world_size, None, tp)
-        else:
-            mesh = strategy_mesh(strategy, world_size, None)
+        resolved = resolved_fsdp(strategy, world_size, checkpointing, precision, tp=tp)
+        mesh = step_mesh(resolved, world_size)
         # TP ranks of a group read the same batch: seed by the data-parallel rank.
         torch.manual_seed(rank // tp)
         frees = recorded_collective_frees() if world_size > 1 else contextlib.nullcontext()
         with frees, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model = build_sharded_model(hf_config(shape), mesh, strategy, checkpointing, precision, "float32",
-                                        tp_mesh=tp_mesh)
+            model = build_sharded_model(hf_config(shape), resolved, mesh, precision, "float32")
             optim = make_optimizer("adamw", model.parameters())
             input_ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]))
             for step in range(2):
@@ -306,9 +302,9 @@ def one_rank_cases():
                 cases.append({
                     "shape": shape["name"], "precision": precision, "activation_checkpointing": ckpt,
                     "strategy": STRATEGY, "world_size": 1,
-                    "peak_measured": peak_real, "peak_fake": fake["peak"], "peak_analytic": analytic["peak_bytes"],
+                    "peak_measured": peak_real, "peak_fake": fake["peak"], "peak_analytic": analytic.memory.peak_bytes,
                     "peak_rel_err": rel(fake["peak"], peak_real),
-                    "peak_rel_err_analytic": rel(analytic["peak_bytes"], peak_real),
+                    "peak_rel_err_analytic": rel(analytic.memory.peak_bytes, peak_real),
                     "forward_measured": forward_real, "forward_fake": fake["forward_alive"],
                     "activation_rel_err": rel(fake["forward_alive"], forward_real),
                 })
@@ -344,12 +340,12 @@ def tp_cases():
     analytic = estimate(spec, cluster, work, STRATEGY, False, False, None, tp=TP)
     # What forward + loss leave alive, analytic: the saved activations and the fp32 log-softmax of the logits
     # (backward's transient is not alive yet).
-    analytic_forward = analytic["activation_bytes"] + shape["batch"] * shape["seq"] * spec.vocab_size * 4
+    analytic_forward = analytic.memory.activations.saved + shape["batch"] * shape["seq"] * spec.vocab_size * 4
     return [{"shape": shape["name"], "precision": "bf16-mixed", "activation_checkpointing": False,
              "strategy": STRATEGY, "world_size": 2, "tp_size": TP,
-             "peak_measured": peak_real, "peak_fake": fake["peak"], "peak_analytic": analytic["peak_bytes"],
+             "peak_measured": peak_real, "peak_fake": fake["peak"], "peak_analytic": analytic.memory.peak_bytes,
              "peak_rel_err": rel(fake["peak"], peak_real),
-             "peak_rel_err_analytic": rel(analytic["peak_bytes"], peak_real),
+             "peak_rel_err_analytic": rel(analytic.memory.peak_bytes, peak_real),
              "forward_measured": forward_real, "forward_fake": fake["forward_alive"],
              "forward_analytic": analytic_forward,
              "activation_rel_err": rel(fake["forward_alive"], forward_real),

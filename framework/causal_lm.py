@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -49,6 +49,19 @@ def clean_param_name(name: str) -> str:
 
 
 _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
+
+
+def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The training loss, before its mean: summed token cross-entropy over the supervised positions (shifted
+    logits upcast to fp32), and their count. The one definition: training, validation and the planner's fake
+    step all call it."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total, (labels != IGNORE_INDEX).sum()
 
 
 class CausalLMModule(pl.LightningModule):
@@ -93,14 +106,7 @@ class CausalLMModule(pl.LightningModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
     def _loss_sum(self, batch: Dict[str, torch.Tensor]):
-        """Summed token cross-entropy over supervised positions, and their count."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logits = logits[:, :-1].float()
-        labels = batch["labels"][:, 1:]
-        loss_sum = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+        return loss_sum(self.model, batch)
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, count = self._loss_sum(batch)

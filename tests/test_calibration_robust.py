@@ -18,7 +18,7 @@ from shardlight.cli.main import main
 from shardlight.planner import calibration as cal
 from shardlight.planner.inputs import Workload
 from shardlight.planner.model_spec import ModelSpec
-from shardlight.planner.profile import sweep_overrides, window_schedule
+from shardlight.planner.sweep import sweep_overrides, window_schedule
 from shardlight.recipe import load_recipe
 
 WORLD = 2

@@ -168,8 +168,8 @@ def test_trace_dir_with_a_rank_missing_is_partial(tmp_path, capsys, monkeypatch)
 
 
 def test_profile_gives_every_strategy_run_the_same_verdict(tmp_path, monkeypatch):
-    from shardlight.planner import report
-    from shardlight.planner.profile import diagnose_run
+    from shardlight.planner import sweep_report as report
+    from shardlight.planner.sweep import diagnose_run
 
     monkeypatch.setattr(run_inputs, "analyze_traces", with_split)
     run = make_run_dir(tmp_path, world=2)

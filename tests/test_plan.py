@@ -20,8 +20,8 @@ from shardlight.planner.plan import (
     spec_from_hf_config,
     workload_for,
 )
-from shardlight.planner.profile import ProfileRequest, profile
 from shardlight.planner.runs import child_env
+from shardlight.planner.sweep import ProfileRequest, profile
 from shardlight.recipe import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
 
 
 def test_wandb_profile_table_offline(tmp_path):
-    from shardlight.planner.report import log_wandb_table
+    from shardlight.planner.sweep_report import log_wandb_table
 
     result = {"recipe": "t", "measured_best": "FULL_SHARD", "plan_prediction": "FULL_SHARD",
               "runs": {"FULL_SHARD": {"world_size": 2, "measured": {"tokens_per_sec_per_device": 10.0},
@@ -257,26 +257,27 @@ def test_plan_for_from_python_without_argparse(tmp_path, capsys):
     ({"strategies": ("HYBRID_SHARD",)}, "--strategies: nothing to run"),
     ({"timeout": 0}, "--timeout must be positive"),
 ])
-def test_profile_request_checked_before_any_run(tmp_path, request_kwargs, message):
+def test_profile_request_checked_before_any_run(tmp_path, monkeypatch, request_kwargs, message):
     def no_model(_model_cfg):
         raise AssertionError("a bad request must fail before the model is built or any run starts")
 
+    monkeypatch.setattr(shardlight.planner.sweep, "build_hf_config", no_model)
     request = ProfileRequest(out_dir=str(tmp_path / "profile"), **request_kwargs)
     with pytest.raises(ShardlightError, match=message):
-        profile(request, hf_config_for=no_model)
+        profile(request)
     assert not (tmp_path / "profile").exists()
 
 
-def test_planner_imports_no_command_line_or_builders():
-    """The planner is a library: no ``shardlight.cli``/``train``/``build`` import, no import hidden in a
-    function except third-party ones (transformers, matplotlib, wandb)."""
+def test_planner_imports_no_command_line_or_training_path():
+    """The planner is a library: no ``shardlight.cli``/``train`` import (it may use the core's builders), no
+    import hidden in a function except third-party ones (transformers, matplotlib, wandb)."""
     for path in sorted(Path(shardlight.planner.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 for name in names:
-                    assert not name.startswith(("shardlight.cli", "shardlight.train", "shardlight.build")), (path, name)
+                    assert not name.startswith(("shardlight.cli", "shardlight.train")), (path, name)
                     if node not in tree.body:
                         assert not name.startswith("shardlight"), (path.name, node.lineno, name)
 

@@ -123,14 +123,14 @@ def test_tp_allreduce_bytes_are_4_x_layers_x_batch_x_seq_x_hidden_for_the_fused_
     cluster = make_cluster(nodes=1, gpus_per_node=8)
     for precision, dtype_bytes in (("bf16-mixed", 2), ("32-true", 4)):
         work = Workload(micro_batch_size=3, seq_len=1000, precision=precision)
-        row = estimate(spec, cluster, work, "FULL_SHARD", False, False, None, tp=2)
+        row = estimate(spec, cluster, work, "FULL_SHARD", False, False, None, tp=2).to_json()
         assert row["tp_allreduce_bytes"] == 4 * 3 * 3 * 1000 * 256 * dtype_bytes
         assert row["tp_allreduce_count"] == 4 * 3
         # Accumulation repeats them per micro-batch; checkpointing repeats the forward ones in the recompute.
         work.accumulate_grad_batches = 2
-        assert estimate(spec, cluster, work, "FULL_SHARD", False, False, None, tp=2)["tp_allreduce_bytes"] == \
+        assert estimate(spec, cluster, work, "FULL_SHARD", False, False, None, tp=2).communication.tp.bytes == \
             2 * 4 * 3 * 3 * 1000 * 256 * dtype_bytes
-        assert tp_allreduces(spec, work, True)["count"] == 2 * 6 * 3
+        assert tp_allreduces(spec, work, True).count == 2 * 6 * 3
 
 
 class AllReduceCounter(TorchDispatchMode):
@@ -164,7 +164,7 @@ def test_tp_allreduce_count_is_what_torch_issues_for_llama():
     spec = model_spec(config)
     work = Workload(micro_batch_size=2, seq_len=16, precision="32-true")
     expected = tp_allreduces(spec, work, False)
-    assert (expected["forward"], expected["backward"]) == (2, 5)
+    assert (expected.forward, expected.backward) == (2, 5)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -176,10 +176,10 @@ def test_tp_allreduce_count_is_what_torch_issues_for_llama():
     finally:
         dist.destroy_process_group()
 
-    assert forward.count == expected["forward"] * spec.num_layers
-    assert backward.count == expected["backward"] * spec.num_layers
-    assert expected["count"] == 7 * spec.num_layers
-    assert expected["bytes"] == expected["count"] * 2 * 16 * 128 * 4
+    assert forward.count == expected.forward * spec.num_layers
+    assert backward.count == expected.backward * spec.num_layers
+    assert expected.count == 7 * spec.num_layers
+    assert expected.bytes == expected.count * 2 * 16 * 128 * 4
 
 
 def test_tp_that_does_not_divide_heads_is_not_a_candidate(tmp_path, capsys):

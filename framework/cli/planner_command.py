@@ -1,5 +1,5 @@
 """``shardlight plan`` and ``shardlight profile``: their arguments, parsed into the planner's typed inputs
-(``shardlight.planner.plan.ClusterOptions``/``WorkloadOptions``, ``shardlight.planner.profile.ProfileRequest``),
+(``shardlight.planner.plan.ClusterOptions``/``WorkloadOptions``, ``shardlight.planner.sweep.ProfileRequest``),
 and the two handlers. The planning and the sweep themselves are ``shardlight.planner``'s."""
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from shardlight.build import build_hf_config
-    from shardlight.planner.profile import ProfileRequest, profile
+    from shardlight.planner.sweep import ProfileRequest, profile
 
     steps = parse_number("--steps", args.steps)
     timeout = parse_number("--timeout", args.timeout, float)
@@ -106,7 +105,7 @@ def run_profile(args: argparse.Namespace) -> int:
         strategies=tuple(str(args.strategies).split(",")), baseline=not args.no_baseline, timeout=timeout,
         cluster=cluster_options(args), workload=workload_options(args), restrict_ckpt=ckpt, restrict_offload=offload,
     )
-    return profile(request, hf_config_for=build_hf_config)
+    return profile(request)
 
 
 def _cluster_args(parser: argparse.ArgumentParser, for_profile: bool = False) -> None:

@@ -1,16 +1,16 @@
-"""Choosing the sharding strategy, as a library (``shardlight.cli.planner`` is its command line).
+"""Choosing the sharding strategy, as a library (``shardlight.cli.planner_command`` is its command line).
 
 * ``model_spec``: a Hugging Face config on the meta device → ``ModelSpec`` (parameters, blocks, FSDP units);
-* ``estimate``: per-rank bytes and per-step seconds of one configuration; ``Cluster``, ``Workload``, the
-  names the planner knows (``STRATEGIES``, ``OPTIMIZERS``, ``PRECISIONS``);
+* ``inputs``: ``Cluster``, ``Workload`` and the tables they are made from;
+* ``memory_estimate``: per-rank bytes of one configuration (``Layout``, ``Memory``); ``estimate``: its
+  per-step seconds (communication, compute, the backward tail) and the whole ``Estimate``; ``STRATEGIES``;
 * ``fake_step``: one training step of the real model on fake tensors over a fake process group, its per-rank
   memory by FSDPMemTracker; ``measured``: those steps as the plan's peaks (the analytic ones kept alongside);
-* ``backward_tail``: the gradient collective after backward's last compute, charged alike to DDP and FSDP;
 * ``recommend``: the decision among the estimates, with reasons (and wrap-granularity advice);
 * ``plan``: ``plan_for(spec, cluster, workload, restrict_ckpt, restrict_offload)`` (``shardlight plan``) and
   its typed inputs ``ClusterOptions``/``WorkloadOptions``, recipe → spec/workload, ``render``;
-* ``profile``: ``profile(ProfileRequest, hf_config_for=...)`` (``shardlight profile``), a measured sweep;
-  ``runs``: one sweep run (a ``shardlight train`` subprocess) and its metrics; ``report``: its files.
+* ``sweep``: ``profile(ProfileRequest)`` (``shardlight profile``), a measured sweep of strategies;
+  ``runs``: one sweep run (a ``shardlight train`` subprocess) and its metrics; ``sweep_report``: its files.
 
-Nothing here imports ``shardlight.cli``, ``shardlight.train`` or ``shardlight.build``.
+Nothing here imports ``shardlight.cli`` or ``shardlight.train``: the planner is an instrument over the core.
 """

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from shardlight.errors import ShardlightError
-from shardlight.planner.estimate import shard_numels
 from shardlight.planner.inputs import Workload
+from shardlight.planner.memory_estimate import shard_numels
 from shardlight.planner.model_spec import ModelSpec
 from shardlight.planner.runs import read_metrics
 from shardlight.trace import analyze_traces

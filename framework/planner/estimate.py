@@ -1,24 +1,7 @@
 """Per-rank memory and per-step time of each sharding strategy, from a ModelSpec, a cluster and a workload
 (``planner.inputs``).
 
-Memory (bytes per rank), following what FSDP1 (``use_orig_params``, the shardlight default) allocates:
-
-* parameters, gradients, optimizer state: each FSDP unit (one per transformer block, plus the root with
-  embeddings/norm/head) is one flat parameter, each original parameter's start aligned to 16 bytes of the
-  compute dtype, padded to a multiple of the process-group size and split into equal shards. The shard is
-  in the storage dtype (``model.dtype``; the fp32 shard *is* the master copy under mixed precision, FSDP
-  keeps no other), gradients are sharded in the same dtype, AdamW keeps 2 moments in it. NO_SHARD keeps all
-  of it on every rank; HYBRID_SHARD shards over its shard group only. CPU offload moves all three to host;
-* unsharded buffers (compute dtype): FULL_SHARD/HYBRID gather the root unit for the whole step plus one block
-  and ``prefetch`` more; SHARD_GRAD_OP keeps every unit gathered from forward until its backward; plus
-  one unit's unsharded gradient before its reduce-scatter;
-* activations per micro-batch: per layer and token the tensors a Llama-style block saves for backward
-  (norm inputs/outputs, q/k/v, attention output, 4 MLP intermediates; eager attention adds the S×S scores
-  and probabilities per head), the fp32 log-softmax of the logits (shardlight's loss upcasts them), and the
-  transient at the start of backward (gradients of the log-softmax output and of its fp32 input).
-  With activation checkpointing: each block's input only; the transient is the larger of the logits
-  gradients and one block recomputed with its gradients. Gradients are freed after each optimizer step,
-  so the peak is parameters + optimizer state + buffers + max(activations, gradients + one layer's).
+Memory (bytes per rank): ``planner.memory_estimate``.
 
 Communication per optimizer step (ring algorithms, bytes each rank sends): FULL_SHARD all-gathers the
 parameters in forward and again in backward on every micro-batch and reduce-scatters the gradients once;
@@ -54,15 +37,14 @@ flat parameter. Backward skips the frozen weights' gradients: 4 N FLOPs per toke
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from shardlight.errors import ShardlightError
-from shardlight.planner.backward_tail import backward_tail_s
 from shardlight.planner.inputs import GB, Cluster, Workload
+from shardlight.planner.memory_estimate import Layout, Memory, layout, memory
 from shardlight.planner.model_spec import ModelSpec
 
 # The optimizers the planner costs: the recipe's optim.name values, what training builds.
-from shardlight.recipe.schema import OPTIMIZERS
 
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
@@ -70,67 +52,25 @@ PCIE_HOST_BW = 20.0      # GB/s host<->device per GPU (CPU offload)
 HOST_OPTIM_BW = 10.0     # GB/s of optimizer-state traffic a host core set sustains per rank (offloaded AdamW)
 COLLECTIVE_LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 
-# State per parameter element, in multiples of the storage dtype's bytes (8-bit AdamW: 2 x 1 byte).
-OPTIMIZER_STATES = dict(zip(OPTIMIZERS, (2.0, 2.0, 1.0, 0.5)))
+@dataclass(frozen=True)
+class TPAllReduces:
+    """The TP all-reduces of one optimizer step on a rank."""
+
+    count: int          # all of them
+    bytes: int          # what they reduce in all
+    forward: int        # per block and micro-batch, in forward (and a checkpointed block's recompute)
+    backward: int       # per block and micro-batch, in backward
+    each_bytes: int     # one of them: micro_batch x seq x hidden in the compute dtype
 
 
-def shard_numels(spec: ModelSpec, group_size: int, compute_bytes: int, sharded: bool, tp: int = 1) -> int:
-    """Elements of this rank's flat-parameter shards, summed over units, with FSDP1's padding (each TP-split
-    parameter first divided by ``tp``)."""
-    align = 16 // compute_bytes
-    total = 0
-    splits = spec.unit_tp_split if tp > 1 and spec.unit_tp_split else [[False] * len(u) for u in spec.unit_numels]
-    for numels, flags in zip(spec.unit_numels, splits):
-        flat = 0
-        for n in (n // tp if split else n for n, split in zip(numels, flags)):
-            if flat % align:
-                flat += align - flat % align
-            flat += n
-        if flat % group_size:
-            flat += group_size - flat % group_size
-        total += flat // group_size if sharded else flat
-    return total
-
-
-def activation_bytes(spec: ModelSpec, work: Workload, checkpointing: bool, tp: int = 1) -> Dict[str, float]:
-    """Saved activations of one micro-batch, the working set of one block, and the logits (per TP rank)."""
-    c, tokens = work.compute_bytes, work.tokens_per_micro_batch
-    h, i, kv = spec.hidden_size, spec.intermediate_size, spec.num_kv_heads * spec.head_dim
-    q = spec.num_heads * spec.head_dim
-    attn_tp = tp if tp > 1 and spec.tp_splits_attention else 1
-    mlp_tp = tp if tp > 1 and spec.tp_splits_mlp else 1
-    mlp = 4 * i if spec.gated_mlp else 2 * i                        # gate, up, act(gate), product | fc1, act
-    # norms in/out (whole on every TP rank), q/k/v + attention out (heads split), MLP (width split)
-    per_token = c * (2 * h + 2 * h) + c * (q + 2 * kv + 2 * q) / attn_tp + c * mlp / mlp_tp
-    if c < 4:
-        per_token += 2 * 4 * h                                       # RMSNorm's fp32 upcast, twice per block
-    if work.attn_implementation == "eager":
-        per_token += 2 * c * spec.num_heads * work.seq_len / attn_tp  # scores + softmax probabilities
-    block = per_token * tokens
-    embeddings = 2 * h * c * tokens                                  # embedding output, final norm input
-    logits = tokens * spec.vocab_size * 4                            # fp32 log-softmax output, kept for backward
-    # Start of backward: the gradient of the log-softmax output and of its input (fp32), both alive at once.
-    logits_grad = tokens * spec.vocab_size * 8
-    if checkpointing:
-        saved = spec.num_layers * h * c * tokens                     # each block's input only
-        transient = max(logits_grad, 2 * block)                      # or one block recomputed + its grads
-    else:
-        saved = spec.num_layers * block
-        transient = logits_grad
-    return {"per_layer": block, "saved": saved + embeddings, "logits": logits, "logits_grad": transient,
-            "total": saved + embeddings + logits + transient}
-
-
-def tp_allreduces(spec: ModelSpec, work: Workload, checkpointing: bool) -> Dict[str, int]:
-    """The TP all-reduces of one optimizer step on each rank: ``count`` and ``bytes`` (what they reduce, each
-    micro_batch x seq x hidden in the compute dtype), ``forward``/``backward`` counts per block per
-    micro-batch. Forward: one per row-sharded module's output (again in a checkpointed block's recompute);
-    backward: one per column-sharded module's input gradient."""
+def tp_allreduces(spec: ModelSpec, work: Workload, checkpointing: bool) -> TPAllReduces:
+    """The TP all-reduces of one optimizer step on each rank. Forward: one per row-sharded module's output
+    (again in a checkpointed block's recompute); backward: one per column-sharded module's input gradient."""
     forward = spec.tp_rowwise_per_block * (2 if checkpointing else 1)
     backward = spec.tp_colwise_per_block
     count = (forward + backward) * spec.num_layers * work.accumulate_grad_batches
     each = work.micro_batch_size * work.seq_len * spec.hidden_size * work.compute_bytes
-    return {"count": count, "bytes": count * each, "forward": forward, "backward": backward, "each_bytes": each}
+    return TPAllReduces(count=count, bytes=count * each, forward=forward, backward=backward, each_bytes=each)
 
 
 def tp_candidates(spec: ModelSpec, cluster: Cluster, work: Workload) -> List[int]:
@@ -158,56 +98,37 @@ def tp_skipped(spec: ModelSpec, cluster: Cluster, work: Workload) -> Optional[st
             f"{spec.intermediate_size}")
 
 
-def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, checkpointing: bool = False,
-             cpu_offload: bool = False, shard_group_size: Optional[int] = None, tp: int = 1) -> Dict[str, Any]:
-    """Per-rank memory and per-step time of one configuration (see the module docstring); ``tp``: the
-    tensor-parallel degree, ``strategy`` then shards over the world / tp data-parallel ranks
-    (``shard_group_size`` counts data-parallel ranks)."""
-    world, c, s = cluster.world_size, work.compute_bytes, work.storage_bytes
-    if world % tp or cluster.gpus_per_node % tp:
-        raise ShardlightError(f"tp {tp} does not divide the {cluster.gpus_per_node} GPUs of a node")
-    dp_world = world // tp
-    if strategy == "NO_SHARD":
-        group, sharded = dp_world, False
-    elif strategy == "HYBRID_SHARD":
-        group, sharded = shard_group_size or cluster.gpus_per_node // tp, True
-    else:
-        group, sharded = dp_world, True
-    replicas = max(1, dp_world // group)
-    n_local = shard_numels(spec, group, c, sharded and group > 1, tp)
-    params, grads = n_local * s, n_local * s
-    optim = n_local * s * OPTIMIZER_STATES[work.optimizer]
-    trainable = spec.total_params
-    if work.peft:
-        trainable = spec.lora_params(work.lora_r)
-        adapters = math.ceil(trainable / group) if sharded and group > 1 else trainable
-        params += adapters * s
-        # FSDP1 keeps a gradient for the whole flat parameter, frozen elements included (zeros).
-        grads = (n_local + adapters) * s if work.fsdp_version == 1 else adapters * s
-        optim = adapters * s * OPTIMIZER_STATES[work.optimizer]
-    block, root, total_p = spec.tp_local_params(tp)
-    in_flight = 1 + work.prefetch
-    if not sharded or group == 1:
-        gathered = 0 if c >= s else min(total_p, max(block, root) * in_flight) * c
-        grad_buffer = 0
-    elif strategy == "SHARD_GRAD_OP":
-        gathered, grad_buffer = total_p * c, max(block, root) * c
-    else:
-        gathered, grad_buffer = (root + block * in_flight) * c, max(block, root) * c
-    acts = activation_bytes(spec, work, checkpointing, tp)
-    state = 0.0 if cpu_offload else params + grads + optim
-    # Gradients are freed after each optimizer step (set_to_none) and appear as backward frees activations:
-    # the peak is at the start of backward (all activations, no gradients yet) or at its end (all gradients).
-    resident = 0.0 if cpu_offload else params + optim
-    grads_gpu = 0.0 if cpu_offload else grads
-    peak = resident + gathered + grad_buffer + max(acts["total"], grads_gpu + acts["per_layer"])
-    host = params + grads + optim if cpu_offload else 0.0
+@dataclass(frozen=True)
+class Communication:
+    """Collectives per optimizer step on a rank: bytes sent and seconds (see the module docstring)."""
 
-    # Communication per optimizer step.
-    A, P = work.accumulate_grad_batches, total_p
+    bytes_intra: float        # FSDP/DDP collectives inside the data-parallel group
+    bytes_inter: float        # HYBRID_SHARD's all-reduce across replicas
+    fsdp_time_s: float        # their time, latency included
+    forward_s: float          # of which forward's all-gathers (overlap forward compute)
+    first_unit_s: float       # the first unit's all-gather, before any compute
+    tail_s: float             # the gradient collective after the last backward compute
+    tp: TPAllReduces
+    tp_time_s: float          # the TP all-reduces, never overlapped
+
+    @property
+    def backward_s(self) -> float:
+        """Backward's gradient collectives (and gathers), which overlap backward compute but for the tail."""
+        return self.fsdp_time_s - self.forward_s
+
+    @property
+    def time_s(self) -> float:
+        return self.fsdp_time_s + self.tp_time_s
+
+
+def communication(spec: ModelSpec, cluster: Cluster, work: Workload, at: Layout, mem: Memory) -> Communication:
+    """Per-step communication of the configuration ``at`` (``mem``: its memory, for what the shards hold)."""
+    c, group, dp_world, strategy = work.compute_bytes, at.group, at.dp_size, at.strategy
+    A = work.accumulate_grad_batches
+    block, _, P = spec.tp_local_params(at.tp)
     # What the gradient collectives carry: FSDP2 reduces only the trainable gradients under LoRA.
-    G = trainable if work.peft and work.fsdp_version == 2 else total_p
-    nodes_spanned = math.ceil(group * tp / cluster.gpus_per_node)  # TP innermost: a DP group spans group x tp
+    G = mem.trainable_params if work.peft and work.fsdp_version == 2 else P
+    nodes_spanned = math.ceil(group * at.tp / cluster.gpus_per_node)  # TP innermost: a DP group spans group x tp
     intra_bw = cluster.intra_node_bw * GB
     inter_bw = cluster.inter_node_bw / cluster.gpus_per_node * GB
     group_bw = intra_bw if nodes_spanned <= 1 else min(intra_bw, inter_bw)
@@ -230,93 +151,150 @@ def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, c
         intra_time = ar_bytes / ar_bw
         inter_time = 0.0
     else:
-        if strategy == "HYBRID_SHARD" and replicas > 1:
-            reduced = math.ceil(G / group) if G != total_p else n_local
-            inter_bytes = 2 * (replicas - 1) / replicas * reduced * c
+        if strategy == "HYBRID_SHARD" and at.replicas > 1:
+            reduced = math.ceil(G / group) if G != P else mem.shard_numel
+            inter_bytes = 2 * (at.replicas - 1) / at.replicas * reduced * c
             collectives += units
         intra_time = (fwd_bytes + bwd_bytes) / group_bw
         inter_time = inter_bytes / inter_bw
     if dp_world == 1:
         collectives = 0
     latency = collectives * (COLLECTIVE_LATENCY_S["inter"] if cluster.nodes > 1 else COLLECTIVE_LATENCY_S["intra"])
-    comm_fwd = fwd_bytes / group_bw if strategy != "NO_SHARD" else 0.0
-    comm_time = intra_time + inter_time + latency
-    comm_bwd = comm_time - comm_fwd
     # TP all-reduces: ring over the tp ranks of a node, on the compute's critical path (never hidden).
-    tp_ar = tp_allreduces(spec, work, checkpointing) if tp > 1 else {"count": 0, "bytes": 0}
-    tp_time = (2 * (tp - 1) / tp * tp_ar["bytes"] / intra_bw + tp_ar["count"] * COLLECTIVE_LATENCY_S["intra"]
+    tp = at.tp
+    tp_ar = tp_allreduces(spec, work, at.checkpointing) if tp > 1 else TPAllReduces(0, 0, 0, 0, 0)
+    tp_time = (2 * (tp - 1) / tp * tp_ar.bytes / intra_bw + tp_ar.count * COLLECTIVE_LATENCY_S["intra"]
                if tp > 1 else 0.0)
+    return Communication(
+        bytes_intra=fwd_bytes + bwd_bytes if strategy != "NO_SHARD" else bwd_bytes, bytes_inter=inter_bytes,
+        fsdp_time_s=intra_time + inter_time + latency,
+        forward_s=fwd_bytes / group_bw if strategy != "NO_SHARD" else 0.0,
+        first_unit_s=(block * c * ring / group_bw) if at.shards else 0.0,
+        tail_s=backward_tail_s(spec, cluster, work, strategy, group, group_bw, intra_bw, inter_bw, world=dp_world),
+        tp=tp_ar, tp_time_s=tp_time)
 
-    tokens = work.tokens_per_micro_batch * A
+
+@dataclass(frozen=True)
+class Compute:
+    """Model FLOPs and compute time of one optimizer step on a rank (table peak x MFU)."""
+
+    flops_per_token: float         # the whole model's, forward + backward (``ModelSpec.flops_per_token``)
+    tokens_per_step: int           # this rank's micro-batches' tokens
+    flops: float                   # what this rank computes (TP: its share of the blocks, the whole head)
+    time_s: float
+    forward_s: float
+
+    @property
+    def backward_s(self) -> float:
+        return self.time_s - self.forward_s
+
+
+def compute(spec: ModelSpec, cluster: Cluster, work: Workload, at: Layout) -> Compute:
+    """Per-step compute of the configuration ``at``: ×4/3 with activation checkpointing (forward recomputed),
+    ×4/6 under LoRA (no weight gradients for the frozen base)."""
+    tokens = work.tokens_per_micro_batch * work.accumulate_grad_batches
     per_token = spec.flops_per_token(work.seq_len)
-    if tp > 1:
+    if at.tp > 1:
         head = 6.0 * spec.vocab_size * spec.hidden_size  # the replicated head runs whole on every TP rank
-        per_token = (per_token - head) / tp + head
+        per_token = (per_token - head) / at.tp + head
     flops = per_token * tokens
     if work.peft:
         flops *= 4 / 6  # no weight gradients for the frozen base (the adapters' are negligible)
-    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu) * (4 / 3 if checkpointing else 1)
-    compute_fwd = compute * (0.25 if checkpointing else 1 / 3)
-    compute_bwd = compute - compute_fwd
-    first_unit = (block * c * ring / group_bw) if sharded and group > 1 else 0.0
-    tail = backward_tail_s(spec, cluster, work, strategy, group, group_bw, intra_bw, inter_bw, world=dp_world)
+    seconds = flops / (cluster.peak_tflops * 1e12 * cluster.mfu) * (4 / 3 if at.checkpointing else 1)
+    return Compute(flops_per_token=spec.flops_per_token(work.seq_len), tokens_per_step=tokens, flops=flops,
+                   time_s=seconds, forward_s=seconds * (0.25 if at.checkpointing else 1 / 3))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One configuration's memory, communication and compute, and the step they make: ``exposed_comm_s``
+    (communication no compute hides), ``offload_time_s`` (CPU offload's host transfers and host optimizer)."""
+
+    layout: Layout
+    memory: Memory
+    communication: Communication
+    compute: Compute
+    exposed_comm_s: float
+    offload_time_s: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute.time_s + self.exposed_comm_s + self.offload_time_s
+
+    @property
+    def global_tokens_per_step(self) -> int:
+        return self.compute.tokens_per_step * self.layout.dp_size
+
+    def to_json(self) -> Dict[str, Any]:
+        """The plan's row: one flat dict, the keys ``shardlight plan --json`` writes."""
+        at, mem, comm, comp = self.layout, self.memory, self.communication, self.compute
+        step, tokens = self.step_time_s, comp.tokens_per_step
+        return {
+            "sharding_strategy": at.strategy,
+            "activation_checkpointing": at.checkpointing,
+            "cpu_offload": at.cpu_offload,
+            "shard_group_size": at.group if at.sharded else 1,
+            "replicas": at.replicas if at.sharded else at.world,
+            "mesh_shape": list(at.mesh_shape) if at.mesh_shape else None,
+            "tp_size": at.tp,
+            "dp_size": at.dp_size,
+            "tp_allreduce_count": comm.tp.count,
+            "tp_allreduce_bytes": comm.tp.bytes,
+            "tp_comm_time_s": comm.tp_time_s,
+            "params_bytes": mem.params_bytes,
+            "grads_bytes": mem.grads_bytes,
+            "optim_bytes": mem.optim_bytes,
+            "gpu_state_bytes": mem.gpu_state_bytes,
+            "host_state_bytes": mem.host_state_bytes,
+            "gather_buffer_bytes": mem.gather_buffer_bytes,
+            "grad_buffer_bytes": mem.grad_buffer_bytes,
+            "activation_bytes": mem.activations.saved,
+            "logits_bytes": mem.activations.logits + mem.activations.logits_grad,
+            "activation_per_layer_bytes": mem.activations.per_layer,
+            "peak_bytes": mem.peak_bytes,
+            "total_with_overhead_bytes": mem.total_with_overhead_bytes,
+            "usable_bytes": mem.usable_bytes,
+            "headroom_bytes": mem.headroom_bytes,
+            "fits": mem.fits,
+            "host_fits": mem.host_fits,
+            "comm_bytes_intra": comm.bytes_intra,
+            "comm_bytes_inter": comm.bytes_inter,
+            "comm_time_s": comm.time_s,
+            "compute_time_s": comp.time_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "offload_time_s": self.offload_time_s,
+            "step_time_s": step,
+            "bound": "comm-bound" if comm.time_s > comp.time_s else "compute-bound",
+            "tokens_per_step_per_rank": tokens,
+            # TP ranks share their micro-batches: a device trains tokens / tp of them.
+            "tokens_per_sec_per_device": tokens / at.tp / step if step > 0 else None,
+            "global_tokens_per_step": self.global_tokens_per_step,
+            "seconds_per_token": step / self.global_tokens_per_step,
+            "flops_per_token": comp.flops_per_token,
+            "trainable_params": mem.trainable_params,
+        }
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, work: Workload, strategy: str, checkpointing: bool = False,
+             cpu_offload: bool = False, shard_group_size: Optional[int] = None, tp: int = 1) -> Estimate:
+    """Per-rank memory and per-step time of one configuration (see the module docstring); ``tp``: the
+    tensor-parallel degree, ``strategy`` then shards over the world / tp data-parallel ranks
+    (``shard_group_size`` counts data-parallel ranks)."""
+    at = layout(cluster, strategy, checkpointing, cpu_offload, shard_group_size, tp)
+    mem = memory(spec, cluster, work, at)
+    comm = communication(spec, cluster, work, at, mem)
+    comp = compute(spec, cluster, work, at)
+    backward, tail = comm.backward_s, comm.tail_s
     # The tail runs after the last backward compute, for DDP and FSDP alike: only the rest can overlap.
-    exposed = (max(0.0, comm_fwd - compute_fwd) + max(0.0, comm_bwd - min(tail, comm_bwd) - compute_bwd)
-               + min(tail, comm_bwd) + first_unit + tp_time)
-    comm_time += tp_time
+    exposed = (max(0.0, comm.forward_s - comp.forward_s) + max(0.0, backward - min(tail, backward) - comp.backward_s)
+               + min(tail, backward) + comm.first_unit_s + comm.tp_time_s)
     offload_time = 0.0
     if cpu_offload:
-        gathers = A * (2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1)
-        offload_time = (gathers * params + grads) / (PCIE_HOST_BW * GB) + 2 * (params + grads + optim) / (
-            HOST_OPTIM_BW * GB)
-    step = compute + exposed + offload_time
-    global_tokens = tokens * dp_world
-    host_fits = host * cluster.gpus_per_node <= cluster.host_memory_bytes * 0.8
-    fits = peak <= cluster.usable_bytes and host_fits
-    return {
-        "sharding_strategy": strategy,
-        "activation_checkpointing": checkpointing,
-        "cpu_offload": cpu_offload,
-        "shard_group_size": group if sharded else 1,
-        "replicas": replicas if sharded else world,
-        "mesh_shape": [replicas, group] if strategy == "HYBRID_SHARD" else None,
-        "tp_size": tp,
-        "dp_size": dp_world,
-        "tp_allreduce_count": tp_ar["count"],
-        "tp_allreduce_bytes": tp_ar["bytes"],
-        "tp_comm_time_s": tp_time,
-        "params_bytes": params,
-        "grads_bytes": grads,
-        "optim_bytes": optim,
-        "gpu_state_bytes": state,
-        "host_state_bytes": host,
-        "gather_buffer_bytes": gathered,
-        "grad_buffer_bytes": grad_buffer,
-        "activation_bytes": acts["saved"],
-        "logits_bytes": acts["logits"] + acts["logits_grad"],
-        "activation_per_layer_bytes": acts["per_layer"],
-        "peak_bytes": peak,
-        "total_with_overhead_bytes": peak + cluster.overhead_bytes,
-        "usable_bytes": cluster.usable_bytes,
-        "headroom_bytes": cluster.usable_bytes - peak,
-        "fits": fits,
-        "host_fits": host_fits,
-        "comm_bytes_intra": fwd_bytes + bwd_bytes if strategy != "NO_SHARD" else bwd_bytes,
-        "comm_bytes_inter": inter_bytes,
-        "comm_time_s": comm_time,
-        "compute_time_s": compute,
-        "exposed_comm_s": exposed,
-        "offload_time_s": offload_time,
-        "step_time_s": step,
-        "bound": "comm-bound" if comm_time > compute else "compute-bound",
-        "tokens_per_step_per_rank": tokens,
-        # TP ranks share their micro-batches: a device trains tokens / tp of them.
-        "tokens_per_sec_per_device": tokens / tp / step if step > 0 else None,
-        "global_tokens_per_step": global_tokens,
-        "seconds_per_token": step / global_tokens,
-        "flops_per_token": spec.flops_per_token(work.seq_len),
-        "trainable_params": trainable,
-    }
+        gathers = work.accumulate_grad_batches * (2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1)
+        offload_time = (gathers * mem.params_bytes + mem.grads_bytes) / (PCIE_HOST_BW * GB) + 2 * (
+            mem.params_bytes + mem.grads_bytes + mem.optim_bytes) / (HOST_OPTIM_BW * GB)
+    return Estimate(layout=at, memory=mem, communication=comm, compute=comp, exposed_comm_s=exposed,
+                    offload_time_s=offload_time)
 
 
 def hybrid_group_sizes(cluster: Cluster) -> List[int]:
@@ -327,7 +305,7 @@ def hybrid_group_sizes(cluster: Cluster) -> List[int]:
 
 
 def estimate_tp(spec: ModelSpec, cluster: Cluster, work: Workload,
-                sizes: Optional[List[int]] = None) -> List[Dict[str, Any]]:
+                sizes: Optional[List[int]] = None) -> List[Estimate]:
     """The tensor-parallel candidates: each tp size (default ``tp_candidates``) × SHARD_GRAD_OP, FULL_SHARD
     and HYBRID_SHARD (whole-node groups) over the data-parallel ranks × activation checkpointing, on the GPU
     (CPU offload with TP is not costed)."""
@@ -342,7 +320,7 @@ def estimate_tp(spec: ModelSpec, cluster: Cluster, work: Workload,
     return rows
 
 
-def estimate_all(spec: ModelSpec, cluster: Cluster, work: Workload) -> List[Dict[str, Any]]:
+def estimate_all(spec: ModelSpec, cluster: Cluster, work: Workload) -> List[Estimate]:
     """Every applicable strategy × activation checkpointing × CPU offload (data parallelism alone)."""
     work.validate()
     rows = []
@@ -355,3 +333,25 @@ def estimate_all(spec: ModelSpec, cluster: Cluster, work: Workload) -> List[Dict
                     continue  # FSDP offloads shards; NO_SHARD has none (use DeepSpeed-style offload elsewhere)
                 rows.append(estimate(spec, cluster, work, strategy, ckpt, offload, group))
     return rows
+
+
+def backward_tail_s(spec: Any, cluster: Any, work: Any, strategy: str, group: int, group_bw: float,
+                    intra_bw: float, inter_bw: float, world: Any = None) -> float:
+    """Seconds of the gradient collective that starts after the last backward compute and so cannot
+    overlap: the root unit's (embeddings, head; reduced last) all-reduce under NO_SHARD (FSDP1 NO_SHARD and
+    DDP's last bucket alike), its reduce-scatter under the sharded strategies (plus HYBRID's all-reduce of
+    that shard across replicas). ``world``: the data-parallel ranks (default all; world / tp with TP)."""
+    world, c = world or cluster.world_size, work.compute_bytes
+    root = spec.root_params if not work.peft else 0  # LoRA: the frozen root has no gradient to reduce
+    if world == 1 or root == 0:
+        return 0.0
+    if strategy == "NO_SHARD":
+        bw = intra_bw if cluster.nodes == 1 else min(intra_bw, inter_bw)
+        return 2 * (world - 1) / world * root * c / bw
+    if group == 1:
+        return 0.0
+    tail = (group - 1) / group * root * c / group_bw
+    replicas = world // group
+    if strategy == "HYBRID_SHARD" and replicas > 1:
+        tail += 2 * (replicas - 1) / replicas * root / group * c / inter_bw
+    return tail

@@ -1,7 +1,9 @@
 """Per-rank memory of one training step, measured instead of modelled: the real Hugging Face model, sharded
-with FSDP2 the way ``shardlight.strategy.fsdp2`` shards it, runs forward + loss + backward + optimizer step
-under ``FakeTensorMode`` on a fake process group of the planned world size (``torch.testing._internal.
-distributed.fake_pg``), while ``torch.distributed._tools.FSDPMemTracker`` counts every tensor by category.
+by the strategy's own ``shardlight.strategy.fsdp2.apply_fsdp2`` (tensor parallelism, activation
+checkpointing, FSDP2, in that one order), runs forward + the LightningModule's own loss
+(``shardlight.causal_lm.loss_sum``) + backward + optimizer step under ``FakeTensorMode`` on a fake
+process group of the planned world size (``torch.testing._internal.distributed.fake_pg``), while
+``torch.distributed._tools.FSDPMemTracker`` counts every tensor by category.
 
 Fake tensors carry shapes, dtypes and strides but no storage, so any architecture transformers can build is
 planned without weights, without a GPU and in seconds; the collectives return without moving data. This is
@@ -24,11 +26,11 @@ duration (gloo: a clone of the reduce-scatter input, an all-gather staging copy;
 PyTorch's allocator), which raises the peak only when the peak falls inside a collective (in these shapes it
 falls in the loss's backward), and the CUDA caching allocator's rounding and fragmentation.
 
-Tensor parallelism (``tp`` > 1): the mesh is (dp_replicate, dp_shard, tp) as training builds it, the model
-is parallelized with ``shardlight.strategy.tensor_parallel.apply_tensor_parallel`` then checkpointed and
-``fully_shard``-ed over the data-parallel dims. FSDP2 joins the TP and DP meshes into one (a coordinate
-lookup that fake tensors cannot run), so a TP model is sharded on the meta device outside ``FakeTensorMode``
-and only materialized and stepped inside it.
+Tensor parallelism (``tp`` > 1): the mesh is (dp_replicate, dp_shard, tp), built by training's own
+``fsdp2.fsdp2_mesh``, and ``apply_fsdp2`` applies the TP plan before checkpointing and ``fully_shard`` over the
+data-parallel dims. FSDP2 joins the TP and DP meshes into one (a coordinate lookup that fake tensors cannot
+run), so a TP model is sharded on the meta device outside ``FakeTensorMode`` and only materialized and stepped
+inside it.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
+from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
-from shardlight.strategy.tensor_parallel import MESH_DIM_NAMES, ParallelDims, apply_tensor_parallel
-from shardlight.strategy.wrapping import block_modules
+from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
+from shardlight.strategy.options import ResolvedFSDP
+from shardlight.strategy.tensor_parallel import ParallelDims
 
 # Categories FSDPMemTracker reports (``_FSDPRefType`` values), grouped the way the plan's table is.
 STATE_CATEGORIES = {"params": ("Sharded Param",), "grads": ("Sharded Grad",), "optim": ("OptState",)}
@@ -89,50 +92,42 @@ def fake_friendly_grouped_mm() -> Iterator[None]:
         moe._can_use_grouped_mm = original
 
 
-def strategy_mesh(strategy: str, world_size: int, shard_group_size: Optional[int]):
-    """The FSDP2 device mesh that gives ``strategy``'s per-rank layout: NO_SHARD is a 2-D mesh that
-    replicates over all ranks with shard groups of one (DDP's memory, FSDP's mixed-precision casts)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if strategy == "NO_SHARD":
-        return init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    if strategy == "HYBRID_SHARD":
-        group = shard_group_size or world_size
-        if world_size % group:
-            raise ShardlightError(f"shard group {group} does not divide the world size {world_size}")
-        return init_device_mesh("cpu", (world_size // group, group), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world_size,))
-
-
-def tp_meshes(strategy: str, world_size: int, shard_group_size: Optional[int], tp: int) -> Tuple[Any, Any]:
-    """(data-parallel mesh, tp mesh) of a (dp_replicate, dp_shard, tp) mesh, as training builds it:
-    NO_SHARD replicates over all data-parallel ranks, HYBRID_SHARD shards over ``shard_group_size`` of them."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-
+def resolved_fsdp(strategy: str, world_size: int, checkpointing: bool, precision: str,
+                  shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
+                  wrap_blocks: bool = True, tp: int = 1, tp_plan: Optional[Dict[str, str]] = None) -> ResolvedFSDP:
+    """The ``ResolvedFSDP`` training would apply for this configuration (FSDP2): ``strategy``'s reshard and
+    mesh (NO_SHARD: a (world, 1) replicate x shard mesh, DDP's memory with FSDP's mixed-precision casts;
+    HYBRID_SHARD: shard groups of ``shard_group_size``), the blocks as units (``wrap_blocks`` False: NO_WRAP),
+    bf16-mixed as a bf16 parameter dtype, and with ``tp`` > 1 the (dp_replicate, dp_shard, tp) dims."""
     dp = world_size // tp
     group = 1 if strategy == "NO_SHARD" else (shard_group_size or dp) if strategy == "HYBRID_SHARD" else dp
     if world_size % tp or dp % group:
-        raise ShardlightError(f"mesh {dp // max(group, 1)} x {group} x tp {tp} does not match {world_size} ranks")
-    mesh = init_device_mesh("cpu", (dp // group, group, tp), mesh_dim_names=MESH_DIM_NAMES)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dp // group > 1 else mesh["dp_shard"]
-    return dp_mesh, mesh["tp"]
+        raise ShardlightError(f"mesh {dp // max(group, 1)} x {group}" + (f" x tp {tp}" if tp > 1 else "")
+                              + f" does not match {world_size} ranks")
+    hybrid = strategy in ("NO_SHARD", "HYBRID_SHARD")
+    return ResolvedFSDP(
+        version=2, sharding_strategy=strategy, reshard_after_forward=strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+        hybrid=hybrid, mesh_shape=(dp // group, group) if hybrid and tp == 1 else None,
+        mixed_precision="bf16" if precision == "bf16-mixed" else None, sync_module_states=False,
+        backward_prefetch=None, forward_prefetch=False, limit_all_gathers=False, use_orig_params=True,
+        state_dict_type="FULL_STATE_DICT", activation_checkpointing=checkpointing, cpu_offload=False,
+        cpu_ram_efficient_loading=False, auto_wrap_policy="TRANSFORMER_BASED_WRAP" if wrap_blocks else "NO_WRAP",
+        transformer_cls_names_to_wrap=block_classes, min_num_params=None, sync_each_batch=False,
+        wrap_report_tiny_unit_params=1_000_000,
+        parallel=ParallelDims(dp // group, group, tp, tp_plan) if tp > 1 else None)
 
 
-def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing: bool, precision: str,
-                        param_dtype: str, block_classes: Optional[list] = None, wrap_blocks: bool = True,
-                        trust_remote_code: bool = False, tp_mesh: Any = None,
-                        tp_plan: Optional[Dict[str, str]] = None, materialize: bool = True) -> torch.nn.Module:
-    """The model on the meta device, tensor-parallel over ``tp_mesh`` when given (``tp_plan``: the recipe's,
-    None: the model's), checkpointed per block and ``fully_shard``-ed per block then at the root
-    (``shardlight.strategy.fsdp2.apply_fsdp2``'s order), then (``materialize``) materialized on the CPU
-    (fake under ``FakeTensorMode``: no bytes)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def step_mesh(resolved: ResolvedFSDP, world_size: int):
+    """The device mesh training builds for ``resolved`` (``fsdp2.fsdp2_mesh``), on the CPU."""
+    return fsdp2_mesh(resolved, "cpu", world_size)
+
+
+def build_sharded_model(hf_config: Any, resolved: ResolvedFSDP, mesh: Any, precision: str, param_dtype: str,
+                        trust_remote_code: bool = False, materialize: bool = True) -> torch.nn.Module:
+    """The model on the meta device, parallelized by the strategy's own ``fsdp2.apply_fsdp2`` over ``mesh``
+    (``step_mesh``): tensor parallelism (``resolved.parallel``), activation checkpointing per block, then
+    ``fully_shard`` per unit and at the root; then (``materialize``) materialized on the CPU (fake under
+    ``FakeTensorMode``: no bytes)."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if param_dtype in ("bfloat16", "bf16") or precision == "bf16-true" else torch.float32
@@ -143,32 +138,18 @@ def build_sharded_model(hf_config: Any, mesh: Any, strategy: str, checkpointing:
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError, KeyError) as exc:
         raise ShardlightError(f"model config cannot be built: {str(exc).splitlines()[0]}") from None
     model.train()
-    if tp_mesh is not None:
-        apply_tensor_parallel(model, ParallelDims(1, 1, tp_mesh.size(), tp_plan), tp_mesh)
-    blocks = block_modules(model, block_classes)
-    units = list(blocks) if wrap_blocks else []
-    if checkpointing:
-        ids = {id(b) for b in blocks}
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: id(m) in ids)
-        units = [m for m in model.modules() if isinstance(m, CheckpointWrapper)] if wrap_blocks else []
-    kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy in ("FULL_SHARD", "HYBRID_SHARD")}
-    if precision == "bf16-mixed":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in reversed(units):
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    model, _ = apply_fsdp2(model, resolved, mesh)
     if materialize:
         model.to_empty(device="cpu")
     return model
 
 
 def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """shardlight's training loss: shifted logits upcast to fp32, summed cross-entropy over the tokens."""
-    logits = model(input_ids=input_ids).logits
-    logits = logits[:, :-1].float()
-    labels = input_ids[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum") / labels.numel()
+    """shardlight's training loss (``shardlight.causal_lm.loss_sum``: shifted logits upcast to fp32, summed
+    cross-entropy over the supervised tokens) divided by their count, as ``training_step`` does; every token is
+    supervised, none is padding."""
+    total, count = loss_sum(model, {"input_ids": input_ids, "attention_mask": None, "labels": input_ids})
+    return total / count.clamp(min=1)
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -241,22 +222,20 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
     if precision not in ("32-true", "bf16-mixed", "bf16-true"):
         raise ShardlightError(f"the fake-tensor planner runs 32-true, bf16-mixed and bf16-true, not "
                               f"'{precision}'; use --analytic")
+    resolved = resolved_fsdp(strategy, world_size, checkpointing, precision, shard_group_size, block_classes,
+                             wrap_blocks, tp, tp_plan)
     with fake_process_group(world_size):
-        prebuilt = None
-        if tp > 1:
-            mesh, tp_mesh = tp_meshes(strategy, world_size, shard_group_size, tp)
-            prebuilt = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
-                                           block_classes, wrap_blocks, trust_remote_code, tp_mesh, tp_plan,
-                                           materialize=False)
-        else:
-            mesh = strategy_mesh(strategy, world_size, shard_group_size)
+        mesh = step_mesh(resolved, world_size)
+        # FSDP2 joins the TP and DP meshes into one, a coordinate lookup fake tensors cannot run: a TP model is
+        # parallelized on the meta device outside FakeTensorMode and only materialized inside it.
+        prebuilt = (build_sharded_model(hf_config, resolved, mesh, precision, param_dtype, trust_remote_code,
+                                        materialize=False) if tp > 1 else None)
         with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_grouped_mm():
             if prebuilt is not None:
                 model = prebuilt
                 model.to_empty(device="cpu")
             else:
-                model = build_sharded_model(hf_config, mesh, strategy, checkpointing, precision, param_dtype,
-                                            block_classes, wrap_blocks, trust_remote_code)
+                model = build_sharded_model(hf_config, resolved, mesh, precision, param_dtype, trust_remote_code)
             try:
                 peak, forward = run_tracked_step(model, optimizer, micro_batch_size, seq_len,
                                                  int(hf_config.vocab_size))

@@ -65,8 +65,10 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
         check_matches(calibration, cluster.world_size)
     if spec.max_positions and work.seq_len > spec.max_positions:
         raise ShardlightError(f"seq_len {work.seq_len} exceeds the model's maximum positions ({spec.max_positions})")
-    rows = estimate_all(spec, cluster, work)
-    tp_rows = estimate_tp(spec, cluster, work)
+    # The plan is a JSON document: each configuration's ``Estimate`` becomes its row, which the measured memory
+    # (``measured``) and a calibration (``calibration.apply_to_rows``) then annotate.
+    rows = [e.to_json() for e in estimate_all(spec, cluster, work)]
+    tp_rows = [e.to_json() for e in estimate_tp(spec, cluster, work)]
     tp_info: Dict[str, Any] = {"candidates": sorted({r["tp_size"] for r in tp_rows}),
                                "skipped": tp_skipped(spec, cluster, work)}
     if calibration is not None:

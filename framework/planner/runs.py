@@ -3,7 +3,7 @@ Lightning fit per process) and the numbers its ``csv/metrics.csv`` holds.
 
 The child finds ``shardlight`` the way this process did (an installed package, editable or wheel): nothing
 here depends on a source checkout. Its environment is this one without shardlight's per-run and per-rank
-variables (``shardlight.launch.base.without_run_env``), so it is a new, independent run.
+variables (``shardlight.launch.launchers.without_run_env``), so it is a new, independent run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from shardlight.launch.base import without_run_env
+from shardlight.launch.launchers import without_run_env
 from shardlight.planner.inputs import GB
 
 COMPARED = ("params", "grads", "optim")

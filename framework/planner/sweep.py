@@ -1,6 +1,6 @@
 """``shardlight profile`` as a library: a measured sweep of sharding strategies next to the plan's prediction.
 
-``profile(ProfileRequest(recipe, overrides, ...), hf_config_for=shardlight.build.build_hf_config)`` runs each
+``profile(ProfileRequest(recipe, overrides, ...))`` runs each
 configuration as its own ``shardlight train`` process (``runs.run_one``) for ``steps`` optimizer steps with
 the comm/memory/throughput callbacks. The 1-device baseline runs first (when the plan says the model fits
 on one device); its tokens/s/device is written to ``baseline.json``, the file
@@ -8,7 +8,7 @@ on one device); its tokens/s/device is written to ``baseline.json``, the file
 (``profile_report.md``, ``profile.json``, PNG plots, a W&B table; ``report``) reads each run's
 ``csv/metrics.csv``. Every strategy run's latest profiling window gets the same verdict ``shardlight diagnose``
 gives (``shardlight.diagnosis``, with the plan's alternatives for that strategy), its report in
-``diagnosis/<strategy>/``. Parsing the command line is ``shardlight.cli.planner``'s job, not this module's.
+``diagnosis/<strategy>/``. Parsing the command line is ``shardlight.cli.planner_command``'s job, not this module's.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from shardlight.build.training_model import build_hf_config
 from shardlight.diagnosis import write_report
 from shardlight.diagnosis.run_inputs import load_run_inputs
 from shardlight.errors import ShardlightError
 from shardlight.files import write_json
-from shardlight.planner import report
+from shardlight.planner import sweep_report
 from shardlight.planner.alternatives import alternatives_from_plan
 from shardlight.planner.estimate import STRATEGIES
 from shardlight.planner.inputs import GB, make_cluster
@@ -40,7 +41,7 @@ from shardlight.planner.plan import (
 from shardlight.planner.recommend import choose, find_row
 from shardlight.planner.runs import COMPARED, measure, read_metrics, run_one
 from shardlight.planner.sweep_calibration import calibrate_sweep
-from shardlight.recipe import ModelConfig, RecipeConfig, load_recipe
+from shardlight.recipe import RecipeConfig, load_recipe
 
 DEFAULT_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 MIN_STEPS = 6
@@ -222,12 +223,8 @@ def successful(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         "tokens_per_sec_per_device")}
 
 
-def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], Any]) -> int:
-    """Run the sweep, write the report into ``request.out_dir``; 1 when every run failed, else 0.
-
-    ``hf_config_for``: the recipe's ``model`` section → its Hugging Face config
-    (``shardlight.build.build_hf_config``; the planner sits below the builders and does not import them).
-    """
+def profile(request: ProfileRequest) -> int:
+    """Run the sweep, write the report into ``request.out_dir``; 1 when every run failed, else 0."""
     steps = request.steps
     if not request.timeout > 0:
         raise ShardlightError(f"--timeout must be positive, got {request.timeout}")
@@ -236,7 +233,7 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     if steps < MIN_STEPS:
         raise ShardlightError("--steps must be at least 6 (warm-up, one comm profiling window, throughput)")
-    spec = spec_from_recipe(cfg, hf_config_for(cfg.model))
+    spec = spec_from_recipe(cfg, build_hf_config(cfg.model))
     plan = plan_for(spec, cluster_for(request.cluster, cfg), workload_for(request.workload, cfg),
                     request.restrict_ckpt, request.restrict_offload)
     out = Path(request.out_dir).resolve()
@@ -274,7 +271,8 @@ def profile(request: ProfileRequest, *, hf_config_for: Callable[[ModelConfig], A
         "plan": plan, **calibrated,
     }
     write_json(out / "profile.json", result)
-    report.write_report(result, out, wandb_enabled=bool(cfg.logging.wandb.enabled), wandb_mode=cfg.logging.wandb.mode)
+    sweep_report.write_report(result, out, wandb_enabled=bool(cfg.logging.wandb.enabled),
+                              wandb_mode=cfg.logging.wandb.mode)
     measured_ok = successful(runs)
     print(f"measured best: {best or 'none (no run succeeded)'}"
           + (f" ({measured_ok[best]['measured']['tokens_per_sec_per_device']:.0f} tokens/s/device)" if best else ""))
