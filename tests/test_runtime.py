@@ -47,7 +47,7 @@ def test_shardlight_variables_are_named_in_one_module():
     offenders = []
     for folder in ("framework", "callbacks", "launch"):
         for path in (REPO / folder).rglob("*.py"):
-            if path == REPO / "launch" / "base.py":
+            if path == REPO / "launch" / "launchers.py":
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if re.search(r"SHARDLIGHT_[A-Z_]+", line):
