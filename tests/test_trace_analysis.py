@@ -116,14 +116,6 @@ def test_collective_names_and_cross_rank_summary():
     assert pair["stragglers"]["552"]["rank"] == 1
 
 
-@needs_shared
-def test_streaming_reader_is_chunk_size_independent(monkeypatch):
-    path = SHARED / "hta_nccl_parser_config_rank0" / "nccl_data.json.gz"
-    whole = analyze_trace_file(path)
-    monkeypatch.setattr(reader, "_CHUNK_CHARS", 4093)
-    assert analyze_trace_file(path) == whole
-
-
 class _Refuses:
     """A decoder that refuses every window with ``error``."""
 
@@ -137,18 +129,18 @@ class _Refuses:
 @needs_shared
 @pytest.mark.parametrize("set_name", _set_names())
 def test_typed_plain_and_json_decoding_read_the_same_records(set_name, monkeypatch):
-    """Every shared file: its windows decoded into Event structs (the usual way), into plain values (an event
-    msgspec does not accept as an Event), and event by event with the json module (a window msgspec does not
-    accept at all) give the same record."""
+    """Every shared file: decoded into Event structs (the usual way), into plain values (an event msgspec
+    does not accept as an Event), and with the json module (a file msgspec does not accept at all) gives the
+    same record."""
     import msgspec
 
     for path in sorted((SHARED / set_name).iterdir()):
         typed = asdict(reader.read_trace(path))
         assert typed["gpu_name"], path
-        small = path.stat().st_size < 2 << 20  # event by event with json takes seconds on the large ones
+        small = path.stat().st_size < 2 << 20  # the json module takes seconds on the large ones
         for error in [msgspec.ValidationError] + [msgspec.DecodeError] * small:
             with monkeypatch.context() as patch:
-                patch.setattr(reader, "_EVENTS_DECODER", _Refuses(error))
+                patch.setattr(reader, "_TYPED_DECODER", _Refuses(error))
                 assert asdict(reader.read_trace(path)) == typed, (path, error)
 
 

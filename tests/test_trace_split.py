@@ -12,7 +12,9 @@ import socket
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -181,20 +183,27 @@ def test_live_path_combine_equals_analyze_traces(tmp_path):
         combine(per_rank, link_peak_gbps=-1)
 
 
-def test_the_reader_keeps_the_same_comm_args_and_input_rows_at_any_window_size(tmp_path, monkeypatch):
-    path = _write_run(tmp_path / "run")
-    trace = path / "rank0.pt.trace.json"
-    whole = reader.read_trace(trace)
-    whole_analysis = analyze_trace_file(trace, payload=True)
-    assert len(whole.gpu_args) == 2 and whole.world_size == 2
-    for chunk in (4093, 512):
-        monkeypatch.setattr(reader, "_CHUNK_CHARS", chunk)
-        small = reader.read_trace(trace)
-        assert small.gpu_args == whole.gpu_args
-        assert [vars(row) for row in small.rows("enumerate(DataLoader)")] == \
-               [vars(row) for row in whole.rows("enumerate(DataLoader)")]
-        assert small.world_size == 2
-        assert analyze_trace_file(trace, payload=True) == whole_analysis
+def _refuse(error, text):
+    raise error("refused")
+
+
+def test_the_reader_keeps_the_same_comm_args_and_input_rows_typed_or_plain(tmp_path, monkeypatch):
+    import msgspec
+
+    trace = _write_run(tmp_path / "run") / "rank0.pt.trace.json"
+    typed = reader.read_trace(trace)
+    typed_analysis = analyze_trace_file(trace, payload=True)
+    assert len(typed.gpu_args) == 2 and typed.world_size == 2 and typed.rows("enumerate(DataLoader)")
+    for refusal in (msgspec.ValidationError, msgspec.DecodeError):  # as plain values; with the json module
+        refuses = SimpleNamespace(decode=partial(_refuse, refusal))
+        monkeypatch.setattr(reader, "_TYPED_DECODER", refuses)
+        if refusal is msgspec.DecodeError:
+            monkeypatch.setattr(reader, "_VALUES_DECODER", refuses)
+        plain = reader.read_trace(trace)
+        assert plain.gpu_args == typed.gpu_args and plain.world_size == 2
+        assert [vars(row) for row in plain.rows("enumerate(DataLoader)")] == \
+               [vars(row) for row in typed.rows("enumerate(DataLoader)")]
+        assert analyze_trace_file(trace, payload=True) == typed_analysis
 
 
 def test_gloo_collate_inside_the_loader_is_input_not_compute(tmp_path):

@@ -11,7 +11,7 @@ The layers, each importing only the ones above it:
 * ``sizes``, ``spans``, ``payload``, ``bandwidth``, ``wait_transfer``: the cross-rank wait/transfer split
   of communication (plain interval sets, nccl-tests' sizes and bus bandwidth, clock offsets);
 * ``analysis``: the public API over files, directories and ranks (``combine`` joins per-rank
-  results); ``analyze_output``: table, JSON, plot.
+  results). The analyze command (``shardlight.cli.analyze_command``) shows them: table, JSON, plot.
 """
 
 from shardlight.trace.analysis import analyze_trace_file, analyze_traces, combine

@@ -48,14 +48,13 @@ def _directory_files(directory: Path) -> list[Path]:
 
 
 def _load_directory(directory: Path, skipped: list[dict[str, str]],
-                    read: dict[Path, TraceRecord | ShardlightError] | None = None) -> list[TraceRecord]:
+                    read: dict[Path, TraceRecord | ShardlightError]) -> list[TraceRecord]:
     """The usable traces of ``directory``; ``read``: its files' records (or errors) read already."""
     candidates = _directory_files(directory)
     records = []
     for candidate in candidates:
         try:
-            done = read.get(candidate) if read is not None else None
-            record = _take(done) if done is not None else read_trace(candidate)
+            record = _take(read[candidate]) if candidate in read else read_trace(candidate)
             source_for(record)  # a file no source can analyse is skipped here, not failed on later
         except ShardlightError as exc:
             # A directory may hold other JSON (configs, reports); skip those, but say so.
@@ -98,22 +97,20 @@ def _load_traces(paths: Iterable[str | Path], workers: int | None,
     paths = [Path(raw) for raw in paths]
     if not paths:
         raise ShardlightError("no trace path given")
-    read, early = None, {}
-    if workers != 1:
-        files: list[Path] = []
-        for path in paths:
-            try:
-                files.extend(_directory_files(path) if path.is_dir() else [path] if path.is_file() else [])
-            except (ShardlightError, OSError):
-                pass  # worded below, in order
-        read, thens = read_traces(files, workers, then)
-        early = {str(path): value for path, value in thens.items()}
+    files: list[Path] = []
+    for path in paths:
+        try:
+            files.extend(_directory_files(path) if path.is_dir() else [path] if path.is_file() else [])
+        except (ShardlightError, OSError):
+            pass  # worded below, in order
+    read, thens = read_traces(files, workers, then)
+    early = {str(path): value for path, value in thens.items()}
     records: list[TraceRecord] = []
     for path in paths:
         if path.is_dir():
             records.extend(_load_directory(path, skipped, read))
         elif path.exists():
-            done = read.get(path) if read is not None else None
+            done = read.get(path)
             record = _take(done) if done is not None else read_trace(path)
             source_for(record)
             records.append(record)

@@ -37,7 +37,7 @@ from typing import Any
 
 from shardlight.errors import ShardlightError
 from shardlight.trace.analysis import _analyze
-from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, Event, TraceRecord, as_int
+from shardlight.trace.records import SYNC_EVENT_NAMES, Collector, Event, TraceRecord
 from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES, keep_own_rows
 
 __all__ = ["KINETO_BASE_PERIOD_S", "analyze_profile", "distributed_info", "kineto_base_ns", "profile_record"]
@@ -130,14 +130,7 @@ def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _A
     """
     results = _results(prof)
     record = TraceRecord(path=str(path), rank=0)
-    info = distributed_info() if dist_info is _ASK else dist_info
-    if isinstance(info, dict):
-        record.read_distributed_info(info)
-        if "rank" in info:
-            rank = as_int(info.get("rank"), default=-1)
-            if rank < 0:
-                raise ShardlightError(f"{record.path}: distributedInfo.rank is not a rank: {info.get('rank')!r}")
-            record.rank = rank
+    record.read_distributed_info(distributed_info() if dist_info is _ASK else dist_info)
     # Every file has float timestamps (Kineto writes "<us>.<ns>", its metadata rows too): HTA rounds them.
     record.float_timestamps = True
     collector = Collector(record, CPU_PREFIXES, CPU_ARGS_PREFIXES)

@@ -1,28 +1,19 @@
 """Read PyTorch profiler (Kineto) chrome traces into compact TraceRecords: one file (:func:`read_trace`), or
 several in worker processes (:func:`read_traces`).
 
-The top-level object is walked key by key and ``traceEvents`` is decoded a window at a time, so peak
-memory is one read window (1 Mi chars) and its events plus the compact records (a 1 GB trace does not
-become 10 GB of dicts). Every error message is worded here. The CPU rows the registered sources ask for
-(:data:`shardlight.trace.sources.CPU_PREFIXES`) are collected, and a record keeps those of the source
-that analyses it (:func:`.sources.keep_own_rows`).
-
-The whole events in the window (up to its last ``}, {``) are decoded with one msgspec call
-(:func:`_decode_batch`) into :class:`.records.Event` structs, which hold only the keys the Collector reads;
-a window msgspec does not accept so (an event or its args not an object, a row whose whole args are kept)
-is decoded into plain values, and anything msgspec does not accept at all -- bad JSON, a separator inside
-a string, ``NaN``, a number out of float range -- one event at a time with the json module, which words
-the errors. msgspec gives the same values as json for what it accepts (arbitrary-size ints included,
-unlike orjson), so every way gives identical records.
-
-gzip is inflated by ISA-L (``isal``, see pyproject.toml) where it is installed: the same bytes and checks
-as zlib, about twice as fast on the shared traces.
+A file is inflated (gzip by ISA-L, ``isal``, where installed: the same bytes and checks as zlib, about twice
+as fast) and decoded in one msgspec call into :class:`.records.Event` structs, which hold only the keys the
+Collector reads, so a large trace does not become a dict per event. Three ways, each taken only when the one
+before does not accept the file, give identical records: typed structs; plain values (an event or its args
+not an object, or a row whose whole args are kept); the json module (``NaN``, a number out of float range,
+and bad JSON, whose errors it words). Every error message is worded here. The CPU rows the registered
+sources ask for (:data:`shardlight.trace.sources.CPU_PREFIXES`) are collected, and a record keeps those of
+the source that analyses it (:func:`.sources.keep_own_rows`).
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import multiprocessing
 import os
@@ -45,94 +36,33 @@ except ImportError:  # pragma: no cover - a declared dependency; gzip gives the 
     _gzip, _IsalError = gzip, zlib.error
 
 from shardlight.errors import ShardlightError
-from shardlight.trace.records import Args, Collector, Event, TraceRecord, as_int, event_of, needs_args_dict
+from shardlight.trace.records import Args, Collector, Event, TraceRecord, event_of, needs_args_dict
 from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES, keep_own_rows
 
 __all__ = ["read_trace", "read_traces"]
-
-# Chunk size of the text windows (chars); tests shrink it to hit chunk edges.
-_CHUNK_CHARS = 1 << 20
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-_DECODER = json.JSONDecoder()
 
 
 class _Decoded(Event, gc=False):
     args: Args | None = None
 
 
-_EVENTS_DECODER = msgspec.json.Decoder(list[_Decoded])
+class _Trace(msgspec.Struct, gc=False):
+    """The keys of a trace's top-level object the reader reads."""
+
+    traceEvents: list[_Decoded] | msgspec.UnsetType = msgspec.UNSET
+    distributedInfo: Any = None
+
+
+# A trace is an object with traceEvents, or (the bare Chrome form: no metadata) the array of its events.
+_TYPED_DECODER = msgspec.json.Decoder(_Trace | list[_Decoded])
 _VALUES_DECODER = msgspec.json.Decoder()
-_WS_CHARS = " \t\n\r"
-_ARGS_MARKS = CPU_ARGS_PREFIXES + ("\\",) if CPU_ARGS_PREFIXES else ()
+_WHITESPACE = re.compile(rb"[ \t\n\r]*")
+# A row whose whole args are kept has one of these in its name (or, escaped, a backslash).
+_ARGS_MARKS = tuple(prefix.encode() for prefix in CPU_ARGS_PREFIXES) + (b"\\",) if CPU_ARGS_PREFIXES else ()
 # Decoding several files in worker processes (read_traces) by default from this many decompressed bytes in all:
 # starting a pool of 2 and sending the records back costs about 10 ms, reading 8 files of 7.3 MB in all 40 ms
 # (2 cores; with another process busy, workers lose at any size).
 _PARALLEL_MIN_BYTES = 16 << 20
-
-
-class _TextStream:
-    """A growable text window over a file, for decoding one JSON value at a time."""
-
-    def __init__(self, handle: io.TextIOBase, path: str):
-        self._handle = handle
-        self._path = path
-        self.buf = ""
-        self.pos = 0
-        self.eof = False
-        self.consumed = 0  # chars of the file before buf[0]
-
-    def _fill(self, at_least: int = 0) -> bool:
-        if self.eof:
-            return False
-        data = self._handle.read(max(at_least, _CHUNK_CHARS))
-        if not data:
-            self.eof = True
-            return False
-        self.consumed += self.pos
-        self.buf = self.buf[self.pos:] + data
-        self.pos = 0
-        return True
-
-    def peek(self) -> str:
-        while True:
-            self.pos = _WHITESPACE.match(self.buf, self.pos).end()
-            if self.pos < len(self.buf):
-                return self.buf[self.pos]
-            if not self._fill():
-                return ""
-
-    def expect(self, chars: str) -> str:
-        char = self.peek()
-        if not char or char not in chars:
-            found = repr(char) if char else "end of file"
-            raise ShardlightError(f"{self._path}: not a JSON trace (expected {chars!r}, found {found})")
-        self.pos += 1
-        return char
-
-    def value(self) -> Any:
-        self.peek()
-        while True:
-            try:
-                obj, end = _DECODER.raw_decode(self.buf, self.pos)
-            except json.JSONDecodeError as exc:
-                # The value may just run past the window; only a complete file can prove it bad.
-                if self._fill(len(self.buf)):
-                    continue
-                what = "truncated" if exc.pos >= len(self.buf) - 1 else "invalid"
-                raise ShardlightError(f"{self._path}: {what} JSON ({exc.msg})") from None
-            # A number that ends exactly at the window edge may continue in the next chunk.
-            if end == len(self.buf) and self._fill():
-                continue
-            self.pos = end
-            return obj
-
-
-def _open_text(path: Path, gzip_module: Any = _gzip) -> io.TextIOBase:
-    raw = open(path, "rb")
-    magic = raw.read(2)
-    raw.seek(0)
-    binary = gzip_module.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
-    return io.TextIOWrapper(binary, encoding="utf-8")
 
 
 def read_trace(path: str | Path) -> TraceRecord:
@@ -213,21 +143,11 @@ def _decoded_size(path: Path) -> int:
 
 def _read_trace(path: Path, gzip_module: Any = _gzip) -> TraceRecord:
     """``gzip_module``: what inflates a gzip file; an error ISA-L's raises is worded by the gzip module's."""
-    record = TraceRecord(path=str(path), rank=0)
-    collector = Collector(record, CPU_PREFIXES, CPU_ARGS_PREFIXES)
-    saw_events = False
     try:
-        with _open_text(path, gzip_module) as handle:
-            stream = _TextStream(handle, str(path))
-            opener = stream.expect("{[")
-            if opener == "[":
-                # The bare-array Chrome trace form: no metadata, events only.
-                saw_events = True
-                _read_event_array(stream, collector, already_open=True)
-            else:
-                saw_events = _read_top_object(stream, collector, record)
-            if stream.peek():
-                raise ShardlightError(f"{path}: not a JSON trace (extra data after the top-level value)")
+        data = path.read_bytes()
+        if data[:2] == b"\x1f\x8b":
+            data = gzip_module.decompress(data)
+        events, info = _decode(data, path)
     except ShardlightError:
         raise
     except FileNotFoundError:
@@ -245,104 +165,53 @@ def _read_trace(path: Path, gzip_module: Any = _gzip) -> TraceRecord:
         raise ShardlightError(f"{path}: not a JSON trace (not UTF-8 text)") from None
     except OSError as exc:
         raise ShardlightError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not saw_events:
-        raise ShardlightError(f"{path}: not a profiler trace (no traceEvents)")
+    record = TraceRecord(path=str(path), rank=0)
+    record.read_distributed_info(info)
+    add = Collector(record, CPU_PREFIXES, CPU_ARGS_PREFIXES).add
+    for event in events:
+        if not isinstance(event, Event):
+            event = event_of(event)  # a plain value; None when it is not an object
+        if event is not None:
+            add(event)
     keep_own_rows(record)
     return record
 
 
-def _read_top_object(stream: _TextStream, collector: Collector, record: TraceRecord) -> bool:
-    saw_events = False
-    if stream.peek() == "}":
-        stream.pos += 1
-        return False
-    while True:
-        key = stream.value()
-        if not isinstance(key, str):
-            raise ShardlightError(f"{record.path}: not a JSON trace (object key is not a string)")
-        stream.expect(":")
-        if key == "traceEvents":
-            if stream.peek() != "[":
-                raise ShardlightError(f"{record.path}: not a profiler trace (traceEvents is not a list)")
-            saw_events = True
-            _read_event_array(stream, collector)
-        else:
-            value = stream.value()
-            if key == "distributedInfo":
-                record.read_distributed_info(value)
-            if key == "distributedInfo" and isinstance(value, dict) and "rank" in value:
-                rank = as_int(value.get("rank"), default=-1)
-                if rank < 0:
-                    raise ShardlightError(f"{record.path}: distributedInfo.rank is not a rank: {value.get('rank')!r}")
-                record.rank = rank
-        if stream.expect(",}") == "}":
-            return saw_events
-
-
-def _read_event_array(stream: _TextStream, collector: Collector, already_open: bool = False) -> None:
-    if not already_open:
-        stream.expect("[")
-    if stream.peek() == "]":
-        stream.pos += 1
-        return
-    add = collector.add
-    retry_at = 0  # absolute position in the file text before which batches are not tried again
-    while True:
-        retry_at = _decode_batch(stream, add, retry_at)
-        event = event_of(stream.value())
-        if event is not None:
-            add(event)
-        if stream.expect(",]") == "]":
-            return
-
-
-def _last_event_start(buf: str, start: int) -> int:
-    """Index of the last "{" in buf after ``start`` that follows "}" "," (whitespace aside), else start."""
-    index = len(buf)
-    while True:
-        index = buf.rfind("{", start + 1, index)
-        if index < 0:
-            return start
-        before = index - 1
-        while buf[before] in _WS_CHARS:
-            before -= 1
-        if buf[before] != ",":
-            continue
-        before -= 1
-        while buf[before] in _WS_CHARS:
-            before -= 1
-        if buf[before] == "}":
-            return index
-
-
-def _decode_batch(stream: _TextStream, add: Callable[[Event], None], retry_at: int) -> int:
-    """Decode the whole events from ``stream.pos`` (an event's "{") to the window's last event start.
-
-    The region starts where an event starts, so when "[" + region + "]" decodes, its values are
-    exactly the file's events and the cut is a real event start (a cut inside a string leaves
-    that string open). When it does not decode, the events up to the cut are read one at a time
-    (returns where batches may be tried again).
-    """
-    if stream.peek() != "{" or stream.consumed + stream.pos < retry_at:
-        return retry_at
-    buf, start = stream.buf, stream.pos
-    cut = _last_event_start(buf, start)
-    if cut <= start:
-        return retry_at
-    text = "[" + buf[start:buf.rindex("}", start, cut) + 1] + "]"
+def _decode(data: bytes, path: Path) -> tuple[list, Any]:
+    """(the events, distributedInfo or None) of a trace's text; an event is an Event or a plain value."""
+    start = _WHITESPACE.match(data).end()
+    if data[start:start + 1] not in (b"{", b"["):
+        found = repr(data[start:start + 4].decode("utf-8", "replace")[0]) if start < len(data) else "end of file"
+        raise ShardlightError(f"{path}: not a JSON trace (expected '{{[', found {found})")
     try:
         try:
-            events = _EVENTS_DECODER.decode(text)
-        except msgspec.ValidationError:  # not in the shape of Event (or not JSON further on): as plain values
-            events = None
-        # A row whose whole args are kept: its name holds a prefix, or (escaped) a backslash.
-        if events is None or (any(prefix in text for prefix in _ARGS_MARKS)
-                              and needs_args_dict(events, CPU_ARGS_PREFIXES)):
-            events = [event_of(value) for value in _VALUES_DECODER.decode(text)]
-    except msgspec.DecodeError:
-        return stream.consumed + cut
-    for event in events:
-        if event is not None:
-            add(event)
-    stream.pos = cut
-    return retry_at
+            top = _TYPED_DECODER.decode(data)
+            events = top if isinstance(top, list) else top.traceEvents
+            if (_ARGS_MARKS and isinstance(events, list) and any(mark in data for mark in _ARGS_MARKS)
+                    and needs_args_dict(events, CPU_ARGS_PREFIXES)):
+                top = _VALUES_DECODER.decode(data)
+        except msgspec.ValidationError:  # not in the shape of a trace of Events: as plain values
+            top = _VALUES_DECODER.decode(data)
+    except msgspec.DecodeError:  # not what msgspec accepts at all: the json module reads it, or words why not
+        top = _json_loads(data, path)
+    if isinstance(top, list):
+        return top, None
+    if isinstance(top, _Trace):
+        top = {"distributedInfo": top.distributedInfo} | ({} if top.traceEvents is msgspec.UNSET
+                                                         else {"traceEvents": top.traceEvents})
+    if "traceEvents" not in top:
+        raise ShardlightError(f"{path}: not a profiler trace (no traceEvents)")
+    if not isinstance(top["traceEvents"], list):
+        raise ShardlightError(f"{path}: not a profiler trace (traceEvents is not a list)")
+    return top["traceEvents"], top.get("distributedInfo")
+
+
+def _json_loads(data: bytes, path: Path) -> Any:
+    text = data.decode("utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":
+            raise ShardlightError(f"{path}: not a JSON trace (extra data after the top-level value)") from None
+        what = "truncated" if exc.pos >= len(text) - 1 else "invalid"
+        raise ShardlightError(f"{path}: {what} JSON ({exc.msg})") from None

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from shardlight.errors import ShardlightError
+
 # HTA classifies these as GPU rows for its last-step filter even though their stream is -1.
 SYNC_EVENT_NAMES = frozenset({"Event Sync", "Context Sync"})
 # torch's DataLoader wraps each ``__next__`` in this annotation: the input pipeline's time.
@@ -77,9 +79,13 @@ class TraceRecord:
     process_groups: list[dict] = field(default_factory=list)
 
     def read_distributed_info(self, info: Any) -> None:
-        """world_size and pg_config of a distributedInfo value (the rank is the readers' business)."""
+        """rank, world_size and pg_config of a distributedInfo value."""
         if not isinstance(info, dict):
             return
+        if "rank" in info:
+            self.rank = as_int(info["rank"], default=-1)
+            if self.rank < 0:
+                raise ShardlightError(f"{self.path}: distributedInfo.rank is not a rank: {info['rank']!r}")
         world = as_int(info.get("world_size"), default=-1)
         self.world_size = world if world > 0 else None
         groups = info.get("pg_config")
