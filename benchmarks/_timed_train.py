@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardlight.cli.main import main  # noqa: E402  (light: the CLI imports torch only once the recipe is good)
+from shardlight.cli.main import leave, main  # noqa: E402  (light: the CLI imports torch only once the recipe is good)
 
 TIMES_ENV = "SHARDLIGHT_BENCH_TIMES"
 MARKS = {"start": START}
@@ -111,4 +111,4 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, _AfterImport())
 
 if __name__ == "__main__":
-    sys.exit(main())  # its own command line: the ranks run it again
+    leave(main())  # its own command line: the ranks run it again

@@ -78,6 +78,6 @@ if WINDOW_COST_MS > 0:
     CommTimeCallback._finish = _costly_finish
 
 if __name__ == "__main__":
-    from shardlight.cli.main import main
+    from shardlight.cli.main import leave, main
 
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

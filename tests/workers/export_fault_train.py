@@ -35,8 +35,8 @@ def _faulty_full_state_dict(self):
 ShardlightFSDPStrategy.full_state_dict = _faulty_full_state_dict
 
 if __name__ == "__main__":
-    from shardlight.cli.main import main
+    from shardlight.cli.main import leave, main
 
     _DIR.mkdir(parents=True, exist_ok=True)
     (_DIR / f"rank{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(str(os.getpid()))
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -49,7 +49,7 @@ def _counted_forward(self, *args, **kwargs):
 modeling_llama.LlamaDecoderLayer.forward = _counted_forward
 
 if __name__ == "__main__":
-    from shardlight.cli.main import main
+    from shardlight.cli.main import leave, main
 
     code = main(sys.argv[1:])
     out = os.environ.get("SHARDLIGHT_COUNTS_DIR")
@@ -57,4 +57,4 @@ if __name__ == "__main__":
         rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0")) * 0
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(COUNTS))
-    sys.exit(code)
+    leave(code)

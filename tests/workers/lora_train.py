@@ -32,11 +32,11 @@ ShardlightFSDPStrategy.full_state_dict = _keeping_full_state_dict
 if __name__ == "__main__":
     import json
 
-    from shardlight.cli.main import main
+    from shardlight.cli.main import leave, main
 
     code = main(sys.argv[1:])
     out = os.environ.get("SHARDLIGHT_COUNTS_DIR")
     if out and code == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"rank{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(instrumented_train.COUNTS))
-    sys.exit(code)
+    leave(code)
