@@ -58,3 +58,33 @@ def save_tiny_llama(path):
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+# --- runs that several tests only read (each is a real multi-process run; made once per session) ---------
+
+WANDB_SECRET = "wandb-secret-key-must-never-be-written-0123456789"
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default recipe as a user runs it first: 2 gloo ranks, FULL_SHARD, 200 steps, W&B offline (with an API
+    key in the environment, which must never be written), the progress bar and the comm windows on. Returns
+    (the CompletedProcess, its summary)."""
+    import json
+
+    root = tmp_path_factory.mktemp("default_run")
+    summary = root / "summary.json"
+    result = run_cli(["train", f"output_dir={root / 'runs'}", "--summary-json", str(summary),
+                      "logging.wandb.mode=offline"], env={"WANDB_API_KEY": WANDB_SECRET})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result, json.loads(summary.read_text())
+
+
+@pytest.fixture(scope="session")
+def profile_sweep(tmp_path_factory):
+    """``shardlight profile`` of the default recipe on 2 gloo ranks: the baseline, then NO_SHARD, SHARD_GRAD_OP
+    and FULL_SHARD, 6 steps each, each its own process. Returns (the report directory, the CompletedProcess)."""
+    out = tmp_path_factory.mktemp("profile_sweep") / "profile"
+    result = run_cli(["profile", "--out", str(out), "--steps", "6", "logging.wandb.enabled=false"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result

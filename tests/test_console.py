@@ -5,7 +5,6 @@ banners: each rank's ``Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/2``
 ``distributed_backend=gloo ... All distributed processes registered`` block), while real warnings still show.
 A real 2-rank gloo fit."""
 
-import json
 import re
 from pathlib import Path
 
@@ -17,15 +16,12 @@ NOISE = ("USDT", "litlogger", "anonymous setting", "/-", "Initializing distribut
          "distributed_backend=", "All distributed processes registered")
 
 
-def test_default_run_prints_the_bar_and_none_of_the_noise(tmp_path, cli):
-    summary_path = tmp_path / "summary.json"
-    # W&B on (conftest: offline) and a comm window at step 2, so every source of the noise gets its chance.
-    result = cli(["train", f"output_dir={tmp_path / 'runs'}", "--summary-json", str(summary_path),
-                  "trainer.max_steps=6", "callbacks.comm.first_step=2", "callbacks.comm.every_n_steps=4"])
+def test_default_run_prints_the_bar_and_none_of_the_noise(default_run):
+    # W&B on (offline) and the comm windows on, so every source of the noise gets its chance.
+    result, summary = default_run
     console = result.stdout + result.stderr
-    assert result.returncode == 0, console[-4000:]
-    run_dir = Path(json.loads(summary_path.read_text())["run_dir"])
-    assert list((run_dir / "traces" / "step_000002").glob("rank*.pt.trace.json")), "no comm window ran"
+    run_dir = Path(summary["run_dir"])
+    assert list((run_dir / "traces").glob("step_*/rank*.pt.trace.json")), "no comm window ran"
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B did not run"
 
     for noise in NOISE:
@@ -34,6 +30,6 @@ def test_default_run_prints_the_bar_and_none_of_the_noise(tmp_path, cli):
     assert "FSDP wrap: units are tiny" in console, console[-4000:]
     # tqdm redraws with \r: the bar's last state, after the window's results were gathered at the end.
     final_bar = [part for part in re.split(r"[\r\n]", result.stdout) if part.startswith("step ")][-1]
-    assert re.match(r"step 6/6 \|█+\| \[.*loss=\d+\.\d{4}.*exposed comm=\d+%.*\]", final_bar), final_bar
+    assert re.match(r"step 200/200 \|█+\| \[.*loss=\d+\.\d{4}.*exposed comm=\d+%.*\]", final_bar), final_bar
     assert "FSDP FULL_SHARD: 3 units on 2 ranks" in console
-    assert "shardlight: 6 steps, val loss" in result.stdout
+    assert "shardlight: 200 steps, val loss" in result.stdout

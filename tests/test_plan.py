@@ -198,11 +198,9 @@ def test_wandb_profile_table_offline(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_two_ranks_shard_bytes_match_plan(tmp_path, cli):
+def test_profile_two_ranks_shard_bytes_match_plan(profile_sweep):
     """A real sweep on 2 gloo ranks: baseline, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD (each its own process)."""
-    out = tmp_path / "profile"
-    result = cli(["profile", "--out", str(out), "--steps", "6", "logging.wandb.enabled=false"], timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out, result = profile_sweep
     assert "measured best:" in result.stdout and "plan predicted:" in result.stdout
     report = json.loads((out / "profile.json").read_text())
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):

@@ -92,13 +92,10 @@ def test_bad_calibration_file_is_one_line_exit_2(tmp_path, capsys, content, mess
 
 
 @pytest.mark.slow
-def test_profile_calibrates_and_plan_reads_it_back(tmp_path, cli, capsys):
-    """A real sweep on 2 gloo ranks (baseline, NO_SHARD, FULL_SHARD): the calibration in profile.json, its
+def test_profile_calibrates_and_plan_reads_it_back(profile_sweep, tmp_path, capsys):
+    """A real sweep on 2 gloo ranks (the baseline and three strategies): the calibration in profile.json, its
     collectives the ones the traces show, and ``shardlight plan --calibration`` giving the same step times."""
-    out = tmp_path / "profile"
-    result = cli(["profile", "--out", str(out), "--steps", "6", "--strategies", "NO_SHARD,FULL_SHARD",
-                  "logging.wandb.enabled=false"], timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out, _ = profile_sweep
     report = json.loads((out / "profile.json").read_text())
     calibration = report["calibration"]
     assert calibration == json.loads((out / "calibration.json").read_text())
@@ -117,7 +114,7 @@ def test_profile_calibrates_and_plan_reads_it_back(tmp_path, cli, capsys):
     assert "time: calibrated by shardlight profile on 2 cpu ranks" in text
     planned = json.loads(plan_json.read_text())
     assert planned["time_source"] == "calibration"
-    for strategy in ("NO_SHARD", "FULL_SHARD"):
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
         run_dir = Path(report["runs"][strategy]["summary"]["run_dir"])
         cfg = load_recipe(str(run_dir / "recipe.yaml"), [])
         spec, work = spec_from_recipe(cfg, build_hf_config(cfg.model)), workload_from_recipe(cfg)
@@ -142,7 +139,7 @@ def test_profile_calibrates_and_plan_reads_it_back(tmp_path, cli, capsys):
                                                / check["measured_step_s"])
     markdown = (out / "profile_report.md").read_text()
     assert "## Step time: calibrated prediction vs measured" in markdown
-    assert "| NO_SHARD |" in markdown and "| FULL_SHARD |" in markdown
+    assert "| NO_SHARD |" in markdown and "| SHARD_GRAD_OP |" in markdown and "| FULL_SHARD |" in markdown
 
     # The same file planned for 4 ranks is refused in one line, exit 2.
     code = main(["plan", "--analytic", "--calibration", str(out / "calibration.json"), "--gpus-per-node", "4"])
