@@ -2,6 +2,7 @@
 reference, no_sync accumulation (equal results, fewer reduce-scatters), activation checkpointing, and the
 Accelerate vocabulary (plugin parsing, `accelerate config` import, bad input)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -41,6 +42,18 @@ def tiny_setup(tmp_path_factory):
     return root, recipe
 
 
+_RUNS = {}
+
+
+def trained(recipe, out_dir, overrides):
+    """``run_worker``, once per recipe and overrides in this module: tests that only read a run share it (the
+    activation-checkpointing test's plain run is the matrix's FULL_SHARD run of the same FSDP version)."""
+    key = (str(recipe), tuple(overrides))
+    if key not in _RUNS:
+        _RUNS[key] = run_worker(recipe, out_dir, overrides)
+    return _RUNS[key]
+
+
 def run_worker(recipe, out_dir, overrides):
     """One instrumented Lightning fit in its own process tree; returns (summary, per-rank counts)."""
     env = dict(os.environ, SHARDLIGHT_COUNTS_DIR=str(out_dir / "counts"), PYTHONPATH=str(REPO))
@@ -63,6 +76,7 @@ def final_weights(summary):
     return load_file(str(Path(summary["model_dir"]) / "model.safetensors"))
 
 
+@functools.lru_cache(maxsize=None)  # the same steps for every strategy on as many ranks: computed once
 def reference_weights(recipe, world_size, accumulate=1):
     """The same optimizer steps in one process on the same global batch: the mean over ranks (and
     micro-batches) of each rank's token-mean loss, global-norm clipping, AdamW with the same groups."""
@@ -120,7 +134,7 @@ def test_sharded_training_matches_single_process(tiny_setup, tmp_path, version, 
     overrides = [f"fsdp.fsdp_version={version}", f"fsdp.sharding_strategy={strategy}", f"trainer.devices={world}"]
     if strategy == "HYBRID_SHARD":
         overrides.append("fsdp.mesh_shape=[2,2]")  # 2 replicas × 2-way shards on one host
-    summary, counts, output = run_worker(recipe, tmp_path, overrides)
+    summary, counts, output = trained(recipe, tmp_path, overrides)
     assert summary["steps"] == STEPS and summary["world_size"] == world
     assert f"FSDP {strategy}: 3 units on {world} ranks" in output
     assert_weights_close(final_weights(summary), reference_weights(recipe, world))
@@ -148,8 +162,8 @@ def test_no_sync_accumulation_skips_reduce_scatter_and_matches(tiny_setup, tmp_p
 @pytest.mark.parametrize("version", [1, 2])
 def test_activation_checkpointing_recomputes_each_block(tiny_setup, tmp_path, version):
     root, recipe = tiny_setup
-    base = [f"fsdp.fsdp_version={version}"]
-    plain, plain_counts, _ = run_worker(recipe, tmp_path / "plain", base)
+    base = [f"fsdp.fsdp_version={version}", "fsdp.sharding_strategy=FULL_SHARD", "trainer.devices=2"]
+    plain, plain_counts, _ = trained(recipe, tmp_path / "plain", base)
     ckpt, ckpt_counts, _ = run_worker(recipe, tmp_path / "ckpt", base + ["fsdp.activation_checkpointing=true"])
     layers = 2
     # Extra forwards: every rank computes the export check's reference logits, rank 0 also the reload's.
