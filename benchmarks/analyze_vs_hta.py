@@ -2,9 +2,10 @@
 
 Two lines on the shared harness (:mod:`_harness`: ABBA pairs, bootstrap interval, A/A noise):
 
-* ``analyze_vs_hta``: shardlight (candidate) over HTA (baseline), target ratio <= 0.05. HTA
-  (``holistictraceanalysis==0.5.0``, pandas-based) is installed into its own virtual environment
-  under a cache directory on first use (about 20 s); it is never a shardlight dependency. Both do
+* ``analyze_vs_hta``: shardlight (candidate) over HTA (baseline), target ratio <= 0.15 (a few hundred
+  ms of an offline command traded for one plain reader, issue 34). HTA (``holistictraceanalysis==0.5.0``,
+  pandas-based) is installed into its own virtual environment under a cache directory on first use
+  (about 20 s); it is never a shardlight dependency. Both do
   the same work per trace set: load every rank, then communication/computation overlap and the
   temporal breakdown (HTA: ``TraceAnalysis(trace_dir)``, ``get_comm_comp_overlap``,
   ``get_temporal_breakdown``; shardlight: ``analyze_traces``, which also computes per-step and
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
 
     limits = {"min_pairs": max(args.pairs, 2), "max_pairs": max(args.pairs, 40), "budget_s": args.budget_s}
     common = {"sets": len(sets), "files": len(files), "imports": "excluded (gzip: its process start included)"}
-    result = compare("analyze_vs_hta", baseline=hta, candidate=shardlight, metric="wall_s", target=0.05,
+    result = compare("analyze_vs_hta", baseline=hta, candidate=shardlight, metric="wall_s", target=0.15,
                      bound="upper", **limits)
     ranks = sum(len(r) for r in last["shardlight"]["sets"].values())
     result.update(common, ranks=ranks, hta_version="0.5.0",
