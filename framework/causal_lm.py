@@ -54,8 +54,16 @@ _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_modul
 def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The training loss, before its mean: summed token cross-entropy over the supervised positions (shifted
     logits upcast to fp32), and their count. The one definition: training, validation and the planner's fake
-    step all call it."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    step all call it.
+
+    A packed block (``position_ids`` restarting at each example) is given no attention mask: that is how
+    transformers recognises packing and keeps attention inside each example. No KV cache: training never reads
+    one, and transformers ignores packing when it builds one."""
+    if batch.get("position_ids") is not None:
+        inputs = {"position_ids": batch["position_ids"]}
+    else:
+        inputs = {"attention_mask": batch["attention_mask"]}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
     total = F.cross_entropy(

@@ -1,19 +1,20 @@
-"""The SFT ``LightningDataModule``: rows → token blocks (files and checks: ``shardlight.data_files``; the tokenizer:
-``shardlight.build.datamodule``).
+"""The SFT ``LightningDataModule``: rows → token blocks (files and checks: ``shardlight.data_files``; the tokenizer
+and its chat template: ``shardlight.build.datamodule``).
 
 Every example becomes ``input_ids`` plus ``labels`` (the ids of supervised tokens, -100 elsewhere; Hugging Face
 causal-LM models shift labels internally). Formats:
 
 * ``instruction``: ``bos? + prompt_template.format(prompt)`` (not supervised) ``+ response + eos`` (supervised).
-* ``chat``: the tokenizer's chat template when it has one, else ``<|role|>\\ncontent\\n`` per message; only
+* ``chat``: the conversation rendered with the tokenizer's chat template (``data.chat_template``); only the
   assistant turns (and their end-of-turn marker) are supervised.
 * ``text``: ``bos? + text + eos``, all supervised (bos never is: nothing should learn to emit it).
 
-With ``data.packing`` the examples are concatenated (labels alongside, so masking survives block boundaries) and
-cut into ``seq_len`` blocks; training drops the last partial block, validation pads it so no data is lost.
-The training loader (``ResumableDataLoader``) resumes mid-epoch.
-Without packing each example is truncated or right-padded to ``seq_len``. Blocks or rows in which no token
-would be scored are dropped: they carry no loss.
+An example longer than ``seq_len`` is truncated to it. With ``data.packing`` whole examples are placed one after
+another into ``seq_len`` blocks (a new block when the next example does not fit; the rest padded), with
+``position_ids`` that restart at each example: transformers then keeps attention inside each example, and no
+example's first token is scored against the one before it, so a packed block's loss is exactly the sum of its
+examples' losses. Without packing each example is one right-padded row. Examples in which no token would be
+scored are dropped: they carry no loss. The training loader (``ResumableDataLoader``) resumes mid-epoch.
 """
 
 from __future__ import annotations
@@ -167,19 +168,19 @@ class _Encoder:
 
 # ---- blocks
 class BlockDataset(Dataset):
-    """Fixed-length rows; items are dicts of LongTensors ``[seq_len]``."""
+    """Fixed-length rows; items are dicts of LongTensors ``[seq_len]``: ``input_ids``, ``labels``,
+    ``attention_mask`` (1 on real tokens) and, for packed blocks, ``position_ids``."""
 
-    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, attention_mask: np.ndarray):
-        self.input_ids = torch.from_numpy(input_ids.astype(np.int32))
-        self.labels = torch.from_numpy(labels.astype(np.int32))
-        self.attention_mask = torch.from_numpy(attention_mask.astype(np.int8))
+    def __init__(self, arrays: Dict[str, np.ndarray]):
+        self.arrays = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        self.input_ids, self.labels = self.arrays["input_ids"], self.arrays["labels"]
+        self.attention_mask = self.arrays["attention_mask"]
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i].long(), "attention_mask": self.attention_mask[i].long(),
-                "labels": self.labels[i].long()}
+        return {name: a[i].long() for name, a in self.arrays.items()}
 
 
 def _flatten(ds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -197,29 +198,58 @@ def _flatten(ds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
             labels.flatten().to_numpy(zero_copy_only=False).astype(np.int64), lengths.astype(np.int64))
 
 
-def make_blocks(ds, seq_len: int, pad_id: int, packing: bool, keep_partial: bool) -> BlockDataset:
-    """Tokenized examples → ``[N, seq_len]`` rows: packed blocks (the partial last one kept only with
-    ``keep_partial``) or one truncated/right-padded row per example."""
+def _pack(lengths: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Each example's (block, offset in it), in order: a new block when the next example does not fit."""
+    block, offset = np.empty(len(lengths), np.int64), np.empty(len(lengths), np.int64)
+    current, used = 0, 0
+    for j, n in enumerate(lengths.tolist()):
+        if used + n > seq_len:
+            current, used = current + 1, 0
+        block[j], offset[j] = current, used
+        used += n
+    return block, offset
+
+
+def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> BlockDataset:
+    """Tokenized examples → ``[N, seq_len]`` rows: packed blocks of whole examples, or one per example."""
     flat_ids, flat_labels, lengths = _flatten(ds)
-    total = len(flat_ids)
-    if packing:
-        n = total // seq_len + (1 if keep_partial and total % seq_len else 0)
-        starts = np.arange(n, dtype=np.int64) * seq_len
-        lengths = np.minimum(seq_len, total - starts)
-    else:
-        starts = np.cumsum(lengths) - lengths
-        if (lengths > seq_len).any():
-            log.info("truncated %d of %d examples to data.seq_len=%d", (lengths > seq_len).sum(), len(lengths), seq_len)
-        lengths = np.minimum(lengths, seq_len)
-    pos = np.arange(seq_len)
-    mask = pos[None, :] < lengths[:, None]
-    idx = np.where(mask, starts[:, None] + pos[None, :], total)  # index `total` is the padding sentinel
-    ids = np.append(flat_ids, pad_id)[idx]
-    labels = np.append(flat_labels, IGNORE_INDEX)[idx]
-    scored = (labels[:, 1:] != IGNORE_INDEX).any(axis=1)
+    starts = np.cumsum(lengths) - lengths
+    if (lengths > seq_len).any():
+        log.info("truncated %d of %d examples to data.seq_len=%d", (lengths > seq_len).sum(), len(lengths), seq_len)
+    lengths = np.minimum(lengths, seq_len)
+    # Every kept token: its example and its position in it.
+    example = np.repeat(np.arange(len(lengths)), lengths)
+    position = np.arange(len(example)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    source = starts[example] + position
+    labels = flat_labels[source]
+    labels[position == 0] = IGNORE_INDEX  # an example's first token is predicted by nothing of its own
+    scored = np.bincount(example, weights=labels != IGNORE_INDEX, minlength=len(lengths)) > 0
     if not scored.all():
-        log.info("dropped %d of %d sequences with no supervised token", (~scored).sum(), len(scored))
-    return BlockDataset(ids[scored], labels[scored], mask[scored])
+        log.info("dropped %d of %d examples with no supervised token", (~scored).sum(), len(scored))
+    kept = scored[example]
+    example, position, labels, source = example[kept], position[kept], labels[kept], source[kept]
+    lengths = np.where(scored, lengths, 0)
+    if packing:
+        block, offset = _pack(lengths[scored], seq_len)
+        row, col = np.full(len(lengths), -1), np.zeros(len(lengths), np.int64)
+        row[scored], col[scored] = block, offset
+        rows = int(block[-1]) + 1 if len(block) else 0
+    else:
+        row = np.cumsum(scored) - 1
+        col = np.zeros(len(lengths), np.int64)
+        rows = int(scored.sum())
+    at = (row[example], col[example] + position)
+    arrays = {"input_ids": np.full((rows, seq_len), pad_id, np.int32),
+              "labels": np.full((rows, seq_len), IGNORE_INDEX, np.int32),
+              "attention_mask": np.zeros((rows, seq_len), np.int8)}
+    arrays["input_ids"][at] = flat_ids[source]
+    arrays["labels"][at] = labels
+    arrays["attention_mask"][at] = 1
+    if packing:
+        # Padding gets positions of its own (0, 0, ...: no run of +1 steps), so it joins no example.
+        arrays["position_ids"] = np.zeros((rows, seq_len), np.int32)
+        arrays["position_ids"][at] = position
+    return BlockDataset(arrays)
 
 
 # ---- data module
@@ -278,9 +308,9 @@ class SFTDataModule(pl.LightningDataModule):
         finally:
             if bars:
                 datasets.enable_progress_bars()
-        self.train_dataset = make_blocks(train_tok, d.seq_len, pad_id, d.packing, keep_partial=False)
+        self.train_dataset = make_blocks(train_tok, d.seq_len, pad_id, d.packing)
         if val_tok is not None:
-            self.val_dataset = make_blocks(val_tok, d.seq_len, pad_id, d.packing, keep_partial=True)
+            self.val_dataset = make_blocks(val_tok, d.seq_len, pad_id, d.packing)
         val_rows = len(val) if val is not None else 0
         self.stats = {"train_examples": len(train), "train_sequences": len(self.train_dataset),
                       "val_examples": val_rows,

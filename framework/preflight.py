@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import List, Optional
@@ -64,6 +66,8 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
             "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
         )
     skeleton = build_skeleton(cfg.model, config)
+    if cfg.data.packing:
+        check_packing(skeleton)
     if resolved.parallel is not None:
         if cfg.peft.method is not None:
             raise ShardlightError(f"peft.method {cfg.peft.method} with parallelism.tp_size > 1 is not supported yet")
@@ -117,6 +121,19 @@ def _build_on_meta(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrain
     with torch.device("meta"):
         # from_config writes dtype and attention into the config it is given; keep the caller's untouched.
         return build_hf_model(model_cfg, weights=False, config=copy.deepcopy(config))
+
+
+def check_packing(skeleton: PreTrainedModel) -> None:
+    """Packed blocks are told apart only by ``position_ids`` restarting at each example; the model must take
+    them and build its attention mask with transformers' masking utilities, which turn them into a
+    block-causal mask (eager, sdpa, flex) or variable-length attention (flash-attention)."""
+    cls = type(skeleton)
+    modeling = sys.modules.get(cls.__module__)
+    takes_positions = "position_ids" in inspect.signature(cls.forward).parameters
+    if not (takes_positions and hasattr(modeling, "create_causal_mask")):
+        raise ShardlightError(
+            f"data.packing: true needs a model whose attention stays inside each packed example (position_ids "
+            f"and transformers' masking utilities); {cls.__name__} has none; set data.packing: false")
 
 
 def _builds(model_cfg: ModelConfig, config: PretrainedConfig) -> bool:

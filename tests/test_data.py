@@ -96,31 +96,119 @@ def count_label_tokens(batch):
 
 # --------------------------------------------------------------------------------------------- packing
 
-def test_packing_labels_and_blocks(tmp_path, tok):
-    rows = _rows(40)
+def _examples(ds):
+    """The examples in a block dataset, in order: (ids, labels) of each run of real tokens whose positions count
+    up from 0 (packed), or of each row's real tokens (unpacked)."""
+    out = []
+    for i in range(len(ds)):
+        row = ds[i]
+        real = row["attention_mask"].bool()
+        ids, labels = row["input_ids"][real].tolist(), row["labels"][real].tolist()
+        if "position_ids" not in row:
+            out.append((ids, labels))
+            continue
+        starts = [j for j, p in enumerate(row["position_ids"][real].tolist()) if p == 0] + [len(ids)]
+        out += [(ids[s:e], labels[s:e]) for s, e in zip(starts, starts[1:])]
+    return out
+
+
+def test_packing_places_whole_examples_with_restarting_positions(tmp_path, tok):
+    rows = [{"prompt": "Add: " + "1 + " * (i % 7) + "1", "response": f"answer {i}"} for i in range(40)]
     train = _jsonl(tmp_path / "train.jsonl", rows)
-    val = _jsonl(tmp_path / "val.jsonl", rows)
-    dm = _setup(_cfg(train_files=[train], val_files=[val], seq_len=32, packing=True), tok)
+    dm = _setup(_cfg(train_files=[train], val_files=[train], seq_len=64, packing=True), tok)
     exp_ids, exp_labels = _expected_instruction(tok, rows)
+    lengths = [len(_expected_instruction(tok, [r])[0]) for r in rows]
 
-    # Validation keeps the padded last block: the whole stream survives, masks exact.
-    v = dm.val_dataset
-    assert v.input_ids.shape[1] == 32 and len(v) == -(-len(exp_ids) // 32)
-    assert _stream(v) == (exp_ids, exp_labels)
-    assert _supervised_text(tok, v) == "".join(f"{r['response']}<|eos|>" for r in rows)
-    last = v[len(v) - 1]
-    pad = last["attention_mask"] == 0
-    assert pad.any() and (last["labels"][pad] == IGNORE_INDEX).all() and (last["input_ids"][pad] == 2).all()
-
-    # Training drops the partial block; every row is a full block whose labels are the ids or -100.
-    t = dm.train_dataset
-    assert len(t) == len(exp_ids) // 32 and bool(t.attention_mask.all())
-    n = len(t) * 32
-    assert t.input_ids.reshape(-1).tolist() == exp_ids[:n]
-    assert t.labels.reshape(-1).tolist() == exp_labels[:n]
+    for ds in (dm.val_dataset, dm.train_dataset):  # training keeps every block too: none is cut
+        assert ds.input_ids.shape[1] == 64 and _stream(ds) == (exp_ids, exp_labels)
+        assert [len(ids) for ids, _ in _examples(ds)] == lengths  # whole examples, in order, none split
+        assert len(ds) <= len(rows) / 2  # several examples per block
+        for i in range(len(ds)):
+            row = ds[i]
+            real = row["attention_mask"].bool()
+            n = int(real.sum())
+            assert real[:n].all() and not real[n:].any()  # real tokens first, then padding
+            assert (row["input_ids"][~real] == tok.pad_token_id).all()
+            assert (row["labels"][~real] == IGNORE_INDEX).all() and (row["position_ids"][~real] == 0).all()
+            starts = row["position_ids"] == 0
+            assert (row["labels"][starts & real] == IGNORE_INDEX).all()  # no example's first token is scored
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
-    assert all(v.dtype == torch.long and v.shape == (2, 32) for v in batch.values())
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "position_ids"}
+    assert all(v.dtype == torch.long and v.shape == (2, 64) for v in batch.values())
+
+
+def _tiny_model(attn_implementation: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_a_packed_block_has_the_loss_and_gradients_of_its_examples_one_by_one(tmp_path, tok, attn_implementation):
+    """Truth by construction: the packed block's summed loss and its gradients equal those of its examples run
+    alone (no padding, no mask), so packing changes nothing of what the model learns."""
+    from shardlight.causal_lm import loss_sum
+
+    rows = [{"prompt": "Add: " + "2 + " * (i % 5) + "3", "response": "answer " * (1 + i % 3)} for i in range(12)]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    block = _setup(_cfg(train_files=[train], val_files=[train], seq_len=96, packing=True), tok).val_dataset
+    batch = {k: v[:2].long() for k, v in block.arrays.items()}
+    model = _tiny_model(attn_implementation)
+    packed, packed_count = loss_sum(model, batch)
+    packed.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    examples = _examples(_Rows(batch))
+    assert len(examples) > 2  # the two blocks hold several examples
+    alone, alone_count = 0.0, 0
+    for ids, labels in examples:
+        one = {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+               "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        total, count = loss_sum(model, one)
+        alone, alone_count = alone + total, alone_count + count
+    alone.backward()
+    assert int(packed_count) == int(alone_count)
+    assert torch.allclose(packed, alone, rtol=1e-5, atol=0)
+    for got, want in zip(packed_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Rows:
+    """A batch dict seen as a dataset of its rows (what ``_examples`` reads)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.batch["input_ids"])
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.batch.items()}
+
+
+def test_the_first_validation_loss_is_the_same_with_and_without_packing(tok):
+    """The shipped recipe's validation data, one set of weights: the token-weighted loss over packed blocks
+    equals the one over one row per example (on the old concatenating packing it was 6.2331 against 6.2811)."""
+    from shardlight.causal_lm import loss_sum
+
+    val = str(REPO / "recipes" / "data" / "tiny_sft_val.jsonl")
+    model = _tiny_model("sdpa")
+
+    def val_loss(packing: bool) -> float:
+        dm = _setup(_cfg(train_files=[val], val_files=[val], seq_len=128, packing=packing), tok)
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        with torch.no_grad():
+            for batch in dm.val_dataloader():
+                s, c = loss_sum(model, batch)
+                total, count = total + s.double(), count + int(c)
+        return float(total / count)
+
+    packed, unpacked = val_loss(True), val_loss(False)
+    assert packed == pytest.approx(unpacked, rel=1e-6)
 
 
 def test_val_fraction_holdout_is_deterministic(tmp_path, tok):
@@ -341,3 +429,20 @@ def test_chat_template_not_prefix_stable(tmp_path):
     path = _jsonl(tmp_path / "chat.jsonl", CHAT * 4)
     ds = _setup(_cfg(train_files=[path], val_files=[path], format="chat", seq_len=64, packing=True), tok).val_dataset
     assert _supervised_text(tok, ds) == "hello<|eos|>4<|eos|>!" * 4
+
+
+def test_packing_is_refused_for_a_model_that_cannot_keep_examples_apart():
+    from shardlight.build import build_hf_config
+    from shardlight.preflight import build_skeleton, check_packing
+
+    def skeleton(config):
+        cfg = _cfg()
+        cfg.model.config, cfg.model.attn_implementation = config, "eager"
+        return build_skeleton(cfg.model, build_hf_config(cfg.model))
+
+    check_packing(skeleton({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
+                            "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 512}))
+    bloom = skeleton({"model_type": "bloom", "n_layer": 1, "hidden_size": 32, "n_head": 4, "vocab_size": 512})
+    with pytest.raises(ShardlightError, match=r"^data\.packing: true needs .*; BloomForCausalLM has none; "
+                                              r"set data\.packing: false$"):
+        check_packing(bloom)  # ALiBi, no position_ids: nothing would keep the examples apart

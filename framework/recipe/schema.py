@@ -73,7 +73,10 @@ class DataConfig:
         metadata={"help": "Template wrapped around the prompt; must contain {prompt}."},
     )
     seq_len: int = field(default=256, metadata={"positive": True, "help": "Tokens per training sequence."})
-    packing: bool = field(default=True, metadata={"help": "Concatenate examples into seq_len blocks."})
+    packing: bool = field(
+        default=True,
+        metadata={"help": "Place whole examples into seq_len blocks; attention and positions stay per example."},
+    )
     num_workers: int = field(
         default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."}
     )
