@@ -83,12 +83,22 @@ class ResumableDataLoader(DataLoader):
 Segments = List[Tuple[List[int], bool]]  # (token ids, supervised)
 
 
+# The chat template of a tokenizer that has none (format: chat, data.chat_template null). It is written into
+# the tokenizer, so the exported model renders conversations exactly as it was trained on them.
+BUILTIN_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with trim_blocks
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 class _Encoder:
     def __init__(self, tokenizer, d: DataConfig):
         self.tok, self.d = tokenizer, d
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id]
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.template = getattr(tokenizer, "chat_template", None) or BUILTIN_CHAT_TEMPLATE
 
     def ids(self, text: str) -> List[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
@@ -111,25 +121,14 @@ class _Encoder:
             out_labels.append([t if sup else IGNORE_INDEX for seg, sup in segs for t in seg])
         return {"input_ids": out_ids, "labels": out_labels}
 
-    def chat(self, messages: List[Dict[str, str]]) -> Segments:
-        if not self.has_template:
-            segs: Segments = [(self.bos, False)]
-            for m in messages:
-                segs.append((self.ids(f"<|{m['role']}|>\n"), False))
-                if m["role"] == "assistant":
-                    segs += [(self.ids(m["content"]) + self.eos, True), (self.ids("\n"), False)]
-                else:
-                    segs.append((self.ids(f"{m['content']}\n"), False))
-            return segs
-        return self._templated(messages)
-
     def _render(self, messages, generation_prompt: bool = False) -> Optional[str]:
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
         except Exception:
             return None
 
-    def _templated(self, messages: List[Dict[str, str]]) -> Segments:
+    def chat(self, messages: List[Dict[str, str]]) -> Segments:
         """Supervised character spans of the rendered chat: an assistant turn is what rendering it adds after
         the generation prompt (end-of-turn marker included); templates that are not prefix-stable fall back to
         locating the turn's content (plus a following eos) in the full text."""

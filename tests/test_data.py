@@ -267,8 +267,8 @@ def test_chat_builtin_template(tmp_path, tok):
     dm = _setup(_cfg(train_files=[path], val_files=[path], format="chat", seq_len=128, packing=False), tok)
     row = dm.val_dataset[0]
     text = tok.decode(row["input_ids"][row["attention_mask"].bool()].tolist())
-    assert text == ("<|bos|><|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nhello<|eos|>\n"
-                    "<|user|>\nsum 2 2\n<|assistant|>\n4<|eos|>\n")
+    assert text == ("<|bos|><|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nhello<|eos|>"
+                    "<|user|>\nsum 2 2\n<|assistant|>\n4<|eos|>")
     assert tok.decode(row["labels"][row["labels"] != IGNORE_INDEX].tolist()) == "hello<|eos|>4<|eos|>"
 
 
@@ -446,3 +446,54 @@ def test_packing_is_refused_for_a_model_that_cannot_keep_examples_apart():
     with pytest.raises(ShardlightError, match=r"^data\.packing: true needs .*; BloomForCausalLM has none; "
                                               r"set data\.packing: false$"):
         check_packing(bloom)  # ALiBi, no position_ids: nothing would keep the examples apart
+
+
+# --------------------------------------------------------------------------------------------- chat templates
+
+def test_the_saved_tokenizer_renders_each_example_exactly_as_it_was_trained(tmp_path):
+    """Every way to choose a template (built-in, a string, a file named in a recipe, the tokenizer's own): the
+    tokenizer saved as the export saves it renders each conversation to exactly the text training used."""
+    from transformers import AutoTokenizer
+
+    string = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "chat.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                                                       "{% endfor %}{{ eos_token }}")
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT + [{"messages": CHAT[0]["messages"][1:3]}])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  config: {{model_type: llama}}\ntokenizer:\n  name_or_path: {TOK_DIR}\n"
+                      f"data:\n  train_files: [{path}]\n  format: chat\n  chat_template: templates/chat.jinja\n")
+    from_file = load_recipe(str(recipe), [])
+    assert from_file.data.chat_template == str(tmp_path / "templates" / "chat.jinja")
+    own = tmp_path / "own-tokenizer"
+    tokenizer = build_tokenizer(_cfg(format="chat"))
+    tokenizer.chat_template = string
+    tokenizer.save_pretrained(own)
+
+    cases = {"built-in": _cfg(format="chat"), "string": _cfg(format="chat", chat_template=string),
+             "file": from_file, "tokenizer": _cfg(format="chat", chat_template="tokenizer")}
+    cases["tokenizer"].tokenizer.name_or_path = str(own)
+    texts = set()
+    for name, cfg in cases.items():
+        cfg.data.train_files, cfg.data.val_files, cfg.data.packing = [path], [path], False
+        cfg.trainer.micro_batch_size = 1
+        tokenizer = build_tokenizer(cfg)
+        ds = _setup(cfg, tokenizer).val_dataset
+        tokenizer.save_pretrained(tmp_path / name)
+        exported = AutoTokenizer.from_pretrained(tmp_path / name)
+        for i, row in enumerate((CHAT[0], {"messages": CHAT[0]["messages"][1:3]})):
+            trained = tokenizer.decode(ds[i]["input_ids"][ds[i]["attention_mask"].bool()].tolist())
+            assert exported.apply_chat_template(row["messages"], tokenize=False) == trained, name
+            texts.add(trained)
+    assert len(texts) == 2 * 3  # three different templates (string and tokenizer are the same one)
+
+
+@pytest.mark.parametrize("template, pattern", [
+    ("tokenizer", r"^data\.chat_template: tokenizer, but tokenizer .* has no chat template; give a template"),
+    ("/no/such/chat.jinja", r"^data\.chat_template: /no/such/chat\.jinja is not a file; allowed: a Jinja"),
+    ("{% for m in messages %}{{ m.content }}", r"^data\.chat_template does not render a conversation: "),
+])
+def test_chat_template_errors(template, pattern):
+    with pytest.raises(ShardlightError, match=pattern) as exc:
+        build_tokenizer(_cfg(format="chat", chat_template=template))
+    assert "\n" not in str(exc.value)

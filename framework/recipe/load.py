@@ -172,6 +172,9 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
             value = data.get(key)
             if isinstance(value, list):
                 data[key] = [str(base_dir / v) if isinstance(v, str) and not os.path.isabs(v) else v for v in value]
+        template = data.get("chat_template")  # a file, unless it is a template itself or 'tokenizer'
+        if isinstance(template, str) and "{" not in template and template != "tokenizer":
+            data["chat_template"] = str(base_dir / os.path.expanduser(template))
     for section, key in _LOCAL_OR_HUB_KEYS:
         sub = raw.get(section)
         value = sub.get(key) if isinstance(sub, dict) else None

@@ -72,6 +72,11 @@ class DataConfig:
         default="### Instruction:\n{prompt}\n\n### Response:\n",
         metadata={"help": "Template wrapped around the prompt; must contain {prompt}."},
     )
+    chat_template: Optional[str] = field(
+        default=None,
+        metadata={"help": "Chat template: a Jinja string, a file (relative to the recipe) or 'tokenizer' (its own); "
+                          "null: the tokenizer's own, else a plain built-in one. The export carries it."},
+    )
     seq_len: int = field(default=256, metadata={"positive": True, "help": "Tokens per training sequence."})
     packing: bool = field(
         default=True,
