@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardlight.data_files import check_columns, load_hub, load_local
+from shardlight.data_files import check_columns, expand_files, load_hub, load_local
 from shardlight.errors import ShardlightError
+from shardlight.prepared_data import Splits, cache_root, entry_key, file_digest, load_or_build
 from shardlight.recipe import DataConfig, RecipeConfig
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ def _pack(lengths: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarray]:
     return block, offset
 
 
-def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> BlockDataset:
+def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> Dict[str, np.ndarray]:
     """Tokenized examples → ``[N, seq_len]`` rows: packed blocks of whole examples, or one per example."""
     flat_ids, flat_labels, lengths = _flatten(ds)
     starts = np.cumsum(lengths) - lengths
@@ -248,7 +249,7 @@ def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> BlockDataset:
         # Padding gets positions of its own (0, 0, ...: no run of +1 steps), so it joins no example.
         arrays["position_ids"] = np.zeros((rows, seq_len), np.int32)
         arrays["position_ids"][at] = position
-    return BlockDataset(arrays)
+    return arrays
 
 
 # ---- data module
@@ -289,9 +290,19 @@ class SFTDataModule(pl.LightningDataModule):
         return ds.map(_Encoder(self.tokenizer, self.cfg.data), batched=True, remove_columns=ds.column_names,
                       features=features, keep_in_memory=True, load_from_cache_file=False, desc=f"tokenizing {source}")
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_dataset is not None:  # idempotent: fit, then validate, reuse the same blocks
-            return
+    def _data_digests(self) -> List[object]:
+        """What the data is: each local file's content, or a hub dataset's own fingerprint."""
+        d = self.cfg.data
+        listed = (("data.train_files", d.train_files), ("data.val_files", d.val_files))
+        digests: List[object] = [[file_digest(p) for p in expand_files(list(files), key)] for key, files in listed]
+        if not d.train_files:
+            digests.append(load_hub(d, d.split)._fingerprint)
+            if d.val_split:
+                digests.append(load_hub(d, d.val_split)._fingerprint)
+        return digests
+
+    def _prepare(self) -> Tuple[Splits, Dict[str, int]]:
+        """Read, tokenize and block the data (one process; the others read what it wrote)."""
         import datasets
 
         d = self.cfg.data
@@ -299,21 +310,30 @@ class SFTDataModule(pl.LightningDataModule):
         if pad_id is None:
             pad_id = self.tokenizer.eos_token_id
         bars = not datasets.are_progress_bars_disabled()
-        datasets.disable_progress_bars()  # seconds of work; bars from every rank are only noise
+        datasets.disable_progress_bars()  # one line says what happened instead
         try:
             train, val = self._raw_splits()
-            train_tok = self._tokenize(train, "training data")
-            val_tok = self._tokenize(val, "validation data") if val is not None else None
+            splits = {"train": make_blocks(self._tokenize(train, "training data"), d.seq_len, pad_id, d.packing)}
+            if val is not None:
+                splits["val"] = make_blocks(self._tokenize(val, "validation data"), d.seq_len, pad_id, d.packing)
         finally:
             if bars:
                 datasets.enable_progress_bars()
-        self.train_dataset = make_blocks(train_tok, d.seq_len, pad_id, d.packing)
-        if val_tok is not None:
-            self.val_dataset = make_blocks(val_tok, d.seq_len, pad_id, d.packing)
-        val_rows = len(val) if val is not None else 0
-        self.stats = {"train_examples": len(train), "train_sequences": len(self.train_dataset),
-                      "val_examples": val_rows,
-                      "val_sequences": len(self.val_dataset) if self.val_dataset is not None else 0}
+        stats = {"train_examples": len(train), "train_sequences": len(splits["train"]["input_ids"]),
+                 "val_examples": len(val) if val is not None else 0,
+                 "val_sequences": len(splits["val"]["input_ids"]) if val is not None else 0}
+        return splits, stats
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:  # idempotent: fit, then validate, reuse the same blocks
+            return
+        d = self.cfg.data
+        key = entry_key(self.cfg, self.tokenizer, self._data_digests())
+        splits, self.stats, said = load_or_build(cache_root(self.cfg), key, self._prepare)
+        if self.trainer is None or self.trainer.is_global_zero:
+            print(said, flush=True)
+        self.train_dataset = BlockDataset(splits["train"])
+        self.val_dataset = BlockDataset(splits["val"]) if "val" in splits else None
         world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
         need = self.cfg.trainer.micro_batch_size * world
         if len(self.train_dataset) < need:

@@ -25,7 +25,7 @@ def _required(d: DataConfig) -> List[str]:
             "chat": [d.messages_field]}[d.format]
 
 
-def _expand(files: List[str], key: str) -> List[str]:
+def expand_files(files: List[str], key: str) -> List[str]:
     out: List[str] = []
     for pattern in (os.path.expanduser(f) for f in files):
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -158,7 +158,7 @@ def check_data(cfg: RecipeConfig) -> None:
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if not files:
             continue
-        paths = _expand(list(files), key)
+        paths = expand_files(list(files), key)
         builder = _builder(paths, key)
         for path in paths:
             _check_file(path, builder, d)
@@ -167,7 +167,7 @@ def check_data(cfg: RecipeConfig) -> None:
 def load_local(files: List[str], d: DataConfig, key: str):
     import datasets
 
-    paths = _expand(list(files), key)
+    paths = expand_files(list(files), key)
     builder = _builder(paths, key)
     cache = os.path.join(tempfile.gettempdir(), "shardlight-datasets-cache")
     try:
@@ -184,7 +184,8 @@ def load_hub(d: DataConfig, split: str):
     import datasets
 
     try:
-        return datasets.load_dataset(d.dataset, d.dataset_config, split=split, keep_in_memory=True)
+        # Memory-mapped from datasets' own cache: every rank may open it, to fingerprint it.
+        return datasets.load_dataset(d.dataset, d.dataset_config, split=split)
     except Exception as exc:
         cfg_part = f", config '{d.dataset_config}'" if d.dataset_config else ""
         raise ShardlightError(f"could not load hub dataset '{d.dataset}'{cfg_part}, split '{split}': "

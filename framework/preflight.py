@@ -22,6 +22,7 @@ from shardlight.build.optimizer import check_optimizer
 from shardlight.build.training_model import transformers_reason
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
+from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
@@ -79,7 +80,8 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
         skeleton = apply_adapters(skeleton, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
-    check_output_dir(cfg.output_dir)  # last: the one check that writes (output_dir itself, nothing inside)
+    check_writable_dir(cache_root(cfg), "data.cache_dir")
+    check_writable_dir(cfg.output_dir)  # last: the checks that write (probe files, removed again)
     return tokenizer
 
 
@@ -164,24 +166,25 @@ def _working_attention(model_cfg: ModelConfig, config: PretrainedConfig) -> List
             if impl is not None and _builds(dataclasses.replace(model_cfg, attn_implementation=impl), config)]
 
 
-def check_output_dir(output_dir: str) -> None:
-    """Every rank and the export write under output_dir: prove it can be created and written, and leave the
-    disk as it was (a later check may still refuse the run, and bad input writes nothing)."""
+def check_writable_dir(output_dir, key: str = "output_dir") -> None:
+    """Every rank and the export write under ``output_dir`` (the data cache under ``data.cache_dir``): prove it
+    can be created and written, and leave the disk as it was (a later check may still refuse the run, and bad
+    input writes nothing)."""
     path = Path(output_dir).expanduser().absolute()
     if path.exists() and not path.is_dir():
-        raise ShardlightError(f"output_dir '{output_dir}' is a file; it must be a directory (or not exist yet)")
+        raise ShardlightError(f"{key} '{output_dir}' is a file; it must be a directory (or not exist yet)")
     missing = [p for p in [path, *path.parents] if not p.exists()]  # the dirs this probe creates
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         reason = exc.strerror or first_line(exc)
-        raise ShardlightError(f"output_dir '{output_dir}' cannot be created: {reason}") from None
+        raise ShardlightError(f"{key} '{output_dir}' cannot be created: {reason}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".shardlight-write-probe-"):
             pass  # removed on close
     except OSError as exc:
         raise ShardlightError(
-            f"output_dir '{output_dir}' is not writable (a probe file failed: {exc.strerror or first_line(exc)})"
+            f"{key} '{output_dir}' is not writable (a probe file failed: {exc.strerror or first_line(exc)})"
         ) from None
     finally:
         for created in missing:  # innermost first; the run creates them again when it starts writing

@@ -172,6 +172,9 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
             value = data.get(key)
             if isinstance(value, list):
                 data[key] = [str(base_dir / v) if isinstance(v, str) and not os.path.isabs(v) else v for v in value]
+        cache = data.get("cache_dir")
+        if isinstance(cache, str) and not os.path.isabs(os.path.expanduser(cache)):
+            data["cache_dir"] = str(base_dir / cache)
         template = data.get("chat_template")  # a file, unless it is a template itself or 'tokenizer'
         if isinstance(template, str) and "{" not in template and template != "tokenizer":
             data["chat_template"] = str(base_dir / os.path.expanduser(template))

@@ -85,6 +85,11 @@ class DataConfig:
     num_workers: int = field(
         default=0, metadata={"non_negative": True, "help": "DataLoader worker processes per rank."}
     )
+    cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Where tokenized data is cached for restarts and the other ranks (shared: built once "
+                          "per cluster); null: ~/.cache/shardlight/data."},
+    )
 
 
 # The optimizers training builds (shardlight.build.optimizer) and the planner costs (shardlight.planner).
