@@ -91,7 +91,7 @@ class CausalLMModule(pl.LightningModule):
         self.first_val_loss: Optional[float] = None
         self.last_val_loss: Optional[float] = None
         self.tokens_seen = 0
-        self._val_sums = torch.zeros(2, dtype=torch.float64)
+        self._val_sums = torch.zeros(1, 2, dtype=torch.float64)
         self._train_window = torch.zeros(3, dtype=torch.float64)
         self._grad_norm: Optional[torch.Tensor] = None
         self._decay_names: set = set()
@@ -161,18 +161,25 @@ class CausalLMModule(pl.LightningModule):
         self._nonfinite_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        loaders = self.trainer.val_dataloaders
+        sources = len(loaders) if isinstance(loaders, (list, tuple)) else 1  # a mixture: one per dataset
+        self._val_sums = torch.zeros(sources, 2, dtype=torch.float64, device=self.device)
 
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         loss_sum, count = self._loss_sum(batch)
-        self._val_sums += torch.stack([loss_sum.detach().double(), count.double()])
+        self._val_sums[dataloader_idx] += torch.stack([loss_sum.detach().double(), count.double()])
 
     def on_validation_epoch_end(self) -> None:
-        # Token-weighted over the whole validation set on all ranks, not a mean of per-batch means.
+        # Token-weighted over the whole validation set on all ranks, not a mean of per-batch means; a
+        # mixture's sources each too, and overall.
         totals = self.trainer.strategy.reduce(self._val_sums.float(), reduce_op="sum")
-        val_loss = float(totals[0] / totals[1].clamp(min=1))
+        overall = totals.sum(0)
+        val_loss = float(overall[0] / overall[1].clamp(min=1))
         self.last_val_loss = val_loss
         metrics = {"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 50.0))}
+        if len(totals) > 1:
+            names = self.trainer.datamodule.val_names
+            metrics.update({f"val/loss/{name}": float(t[0] / t[1].clamp(min=1)) for name, t in zip(names, totals)})
         if self.trainer.sanity_checking:
             # Lightning mutes self.log during the sanity pass; this is the pre-training loss we want.
             self.first_val_loss = val_loss

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardlight.data_files import check_columns, expand_files, load_hub, load_local
 from shardlight.errors import ShardlightError
 from shardlight.prepared_data import Splits, cache_root, entry_key, file_digest, load_or_build
-from shardlight.recipe import DataConfig, RecipeConfig
+from shardlight.recipe import RecipeConfig, SourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ BUILTIN_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with 
 
 
 class _Encoder:
-    def __init__(self, tokenizer, d: DataConfig):
+    def __init__(self, tokenizer, d: SourceConfig):
         self.tok, self.d = tokenizer, d
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id]
@@ -254,26 +254,40 @@ def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> Dict[str, np.nd
 
 # ---- data module
 class SFTDataModule(pl.LightningDataModule):
+    """One dataset, or a mixture (``data.datasets``): training draws each example from source i with
+    probability weight_i / sum(weights) (``datasets.interleave_datasets``, seeded) until every source has been
+    seen whole; each source keeps its own validation set, so the validation loss is reported per source
+    (``val_names``, in the order of the validation loaders) and overall."""
+
     def __init__(self, cfg: RecipeConfig, tokenizer):
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         self.train_dataset: Optional[BlockDataset] = None
-        self.val_dataset: Optional[BlockDataset] = None
-        self.stats: Dict[str, int] = {}
+        self.val_datasets: Dict[str, BlockDataset] = {}
+        self.stats: Dict[str, Any] = {}
 
-    def _raw_splits(self):
-        d, seed = self.cfg.data, self.cfg.trainer.seed
+    @property
+    def val_dataset(self) -> Optional[BlockDataset]:
+        """The validation blocks of a single dataset (None without validation data)."""
+        return next(iter(self.val_datasets.values()), None)
+
+    @property
+    def val_names(self) -> List[str]:
+        return list(self.val_datasets)
+
+    def _raw_splits(self, d: SourceConfig, prefix: str):
+        seed = self.cfg.trainer.seed
         if d.train_files:
-            train = load_local(d.train_files, d, "data.train_files")
+            train = load_local(d.train_files, d, f"{prefix}.train_files")
         else:
             train = load_hub(d, d.split)
         if d.val_files:
-            val = load_local(d.val_files, d, "data.val_files")
+            val = load_local(d.val_files, d, f"{prefix}.val_files")
         elif d.dataset and not d.train_files and d.val_split:
             val = load_hub(d, d.val_split)
         elif d.val_fraction > 0:
             if len(train) < 2:
-                raise ShardlightError(f"data.val_fraction={d.val_fraction} needs at least 2 training rows, "
+                raise ShardlightError(f"{prefix}.val_fraction={d.val_fraction} needs at least 2 training rows, "
                                       f"got {len(train)}")
             n_val = min(len(train) - 1, max(1, round(len(train) * d.val_fraction)))
             split = train.train_test_split(test_size=n_val, seed=seed, shuffle=True, keep_in_memory=True)
@@ -282,27 +296,28 @@ class SFTDataModule(pl.LightningDataModule):
             val = None
         return train, val
 
-    def _tokenize(self, ds, source: str):
+    def _tokenize(self, ds, d: SourceConfig, source: str):
         import datasets
 
-        check_columns(list(ds.column_names), self.cfg.data, source)
+        check_columns(list(ds.column_names), d, source)
         features = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in ("input_ids", "labels")})
-        return ds.map(_Encoder(self.tokenizer, self.cfg.data), batched=True, remove_columns=ds.column_names,
+        return ds.map(_Encoder(self.tokenizer, d), batched=True, remove_columns=ds.column_names,
                       features=features, keep_in_memory=True, load_from_cache_file=False, desc=f"tokenizing {source}")
 
     def _data_digests(self) -> List[object]:
         """What the data is: each local file's content, or a hub dataset's own fingerprint."""
-        d = self.cfg.data
-        listed = (("data.train_files", d.train_files), ("data.val_files", d.val_files))
-        digests: List[object] = [[file_digest(p) for p in expand_files(list(files), key)] for key, files in listed]
-        if not d.train_files:
-            digests.append(load_hub(d, d.split)._fingerprint)
-            if d.val_split:
-                digests.append(load_hub(d, d.val_split)._fingerprint)
+        digests: List[object] = []
+        for _, prefix, d in self.cfg.data.sources():
+            listed = ((f"{prefix}.train_files", d.train_files), (f"{prefix}.val_files", d.val_files))
+            digests += [[file_digest(p) for p in expand_files(list(files), key)] for key, files in listed]
+            if not d.train_files:
+                digests.append(load_hub(d, d.split)._fingerprint)
+                if d.val_split:
+                    digests.append(load_hub(d, d.val_split)._fingerprint)
         return digests
 
-    def _prepare(self) -> Tuple[Splits, Dict[str, int]]:
-        """Read, tokenize and block the data (one process; the others read what it wrote)."""
+    def _prepare(self) -> Tuple[Splits, Dict[str, Any]]:
+        """Read, tokenize, mix and block the data (one process; the others read what it wrote)."""
         import datasets
 
         d = self.cfg.data
@@ -312,16 +327,32 @@ class SFTDataModule(pl.LightningDataModule):
         bars = not datasets.are_progress_bars_disabled()
         datasets.disable_progress_bars()  # one line says what happened instead
         try:
-            train, val = self._raw_splits()
-            splits = {"train": make_blocks(self._tokenize(train, "training data"), d.seq_len, pad_id, d.packing)}
-            if val is not None:
-                splits["val"] = make_blocks(self._tokenize(val, "validation data"), d.seq_len, pad_id, d.packing)
+            trains, splits, val_examples = [], {}, 0
+            sources = d.sources()
+            for i, (name, prefix, source) in enumerate(sources):
+                label = "" if len(sources) == 1 else f" of {prefix}"
+                train, val = self._raw_splits(source, prefix)
+                train = self._tokenize(train, source, "training data" + label)
+                trains.append(train.add_column("source", [i] * len(train)))
+                if val is not None:
+                    val_examples += len(val)
+                    val = self._tokenize(val, source, "validation data" + label)
+                    splits[f"val/{name}"] = make_blocks(val, d.seq_len, pad_id, d.packing)
+            if len(trains) == 1:
+                train = trains[0]
+            else:
+                weights = [source.weight for _, _, source in sources]
+                train = datasets.interleave_datasets(trains, probabilities=[w / sum(weights) for w in weights],
+                                                     seed=self.cfg.trainer.seed, stopping_strategy="all_exhausted")
+            splits["train"] = make_blocks(train, d.seq_len, pad_id, d.packing)
         finally:
             if bars:
                 datasets.enable_progress_bars()
+        drawn = np.bincount(np.asarray(train["source"]), minlength=len(sources)).tolist()
         stats = {"train_examples": len(train), "train_sequences": len(splits["train"]["input_ids"]),
-                 "val_examples": len(val) if val is not None else 0,
-                 "val_sequences": len(splits["val"]["input_ids"]) if val is not None else 0}
+                 "val_examples": val_examples,
+                 "val_sequences": sum(len(a["input_ids"]) for k, a in splits.items() if k.startswith("val/")),
+                 "train_examples_by_source": {name: n for (name, _, _), n in zip(sources, drawn)}}
         return splits, stats
 
     def setup(self, stage: Optional[str] = None) -> None:
@@ -333,7 +364,8 @@ class SFTDataModule(pl.LightningDataModule):
         if self.trainer is None or self.trainer.is_global_zero:
             print(said, flush=True)
         self.train_dataset = BlockDataset(splits["train"])
-        self.val_dataset = BlockDataset(splits["val"]) if "val" in splits else None
+        self.val_datasets = {name.split("/", 1)[1]: BlockDataset(arrays) for name, arrays in splits.items()
+                             if name.startswith("val/") and len(arrays["input_ids"])}
         world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
         need = self.cfg.trainer.micro_batch_size * world
         if len(self.train_dataset) < need:
@@ -356,9 +388,9 @@ class SFTDataModule(pl.LightningDataModule):
         return self._loader(self.train_dataset, train=True)
 
     def val_dataloader(self):
-        """No validation data (no val_files / val_split and val_fraction 0): an empty list, which Lightning skips."""
+        """One loader, one per source of a mixture (in ``val_names`` order), or, without validation data (no
+        val_files / val_split and val_fraction 0), an empty list, which Lightning skips."""
         if self.train_dataset is None:
             self.setup("validate")
-        if self.val_dataset is None or len(self.val_dataset) == 0:
-            return []
-        return self._loader(self.val_dataset, train=False)
+        loaders = [self._loader(ds, train=False) for ds in self.val_datasets.values()]
+        return loaders[0] if len(loaders) == 1 else loaders

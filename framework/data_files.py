@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, List
 
 from shardlight.errors import ShardlightError, first_line
-from shardlight.recipe import DataConfig, RecipeConfig
+from shardlight.recipe import RecipeConfig, SourceConfig
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def _required(d: DataConfig) -> List[str]:
+def _required(d: SourceConfig) -> List[str]:
     return {"instruction": [d.prompt_field, d.response_field], "text": [d.text_field],
             "chat": [d.messages_field]}[d.format]
 
@@ -48,7 +48,7 @@ def _builder(files: List[str], key: str) -> str:
     return builders.pop()
 
 
-def _check_row(row: Any, d: DataConfig, where: str) -> None:
+def _check_row(row: Any, d: SourceConfig, where: str) -> None:
     if not isinstance(row, dict):
         raise ShardlightError(f"{where}: row is not a JSON object (got {type(row).__name__})")
     required = _required(d)
@@ -78,7 +78,7 @@ TEXT_ENCODING = "utf-8-sig"
 _LOAD_OPTIONS = {"text": {"encoding": TEXT_ENCODING}}
 
 
-def _check_json(path: str, d: DataConfig) -> None:
+def _check_json(path: str, d: SourceConfig) -> None:
     try:
         text = Path(path).read_text(encoding=TEXT_ENCODING)
     except UnicodeDecodeError as exc:
@@ -105,7 +105,7 @@ def _check_json(path: str, d: DataConfig) -> None:
         _check_row(row, d, f"{path}:{lineno}")
 
 
-def check_columns(columns: List[str], d: DataConfig, source: str) -> None:
+def check_columns(columns: List[str], d: SourceConfig, source: str) -> None:
     required = _required(d)
     for name in required:
         if name not in columns:
@@ -113,7 +113,7 @@ def check_columns(columns: List[str], d: DataConfig, source: str) -> None:
                                   f"{', '.join(required)}); columns: {', '.join(columns) or '(none)'}")
 
 
-def _check_file(path: str, builder: str, d: DataConfig) -> None:
+def _check_file(path: str, builder: str, d: SourceConfig) -> None:
     if not os.path.isfile(path):
         raise ShardlightError(f"data file not found: {path}")
     if os.path.getsize(path) == 0:
@@ -147,24 +147,25 @@ def _check_file(path: str, builder: str, d: DataConfig) -> None:
 
 
 def check_data(cfg: RecipeConfig) -> None:
-    """Preflight on local data files (hub datasets are not checked: no network here)."""
-    d = cfg.data
-    if d.format == "instruction":
-        try:
-            d.prompt_template.format(prompt="x")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ShardlightError(f"data.prompt_template cannot be filled ({type(exc).__name__}: {exc}); "
-                                  "only {prompt} is substituted, write literal braces as {{ and }}") from None
-    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        if not files:
-            continue
-        paths = expand_files(list(files), key)
-        builder = _builder(paths, key)
-        for path in paths:
-            _check_file(path, builder, d)
+    """Preflight on local data files, each dataset of a mixture too (hub datasets are not checked: no network
+    here)."""
+    for _, prefix, d in cfg.data.sources():
+        if d.format == "instruction":
+            try:
+                d.prompt_template.format(prompt="x")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ShardlightError(f"{prefix}.prompt_template cannot be filled ({type(exc).__name__}: {exc}); "
+                                      "only {prompt} is substituted, write literal braces as {{ and }}") from None
+        for key, files in ((f"{prefix}.train_files", d.train_files), (f"{prefix}.val_files", d.val_files)):
+            if not files:
+                continue
+            paths = expand_files(list(files), key)
+            builder = _builder(paths, key)
+            for path in paths:
+                _check_file(path, builder, d)
 
 
-def load_local(files: List[str], d: DataConfig, key: str):
+def load_local(files: List[str], d: SourceConfig, key: str):
     import datasets
 
     paths = expand_files(list(files), key)
@@ -180,7 +181,7 @@ def load_local(files: List[str], d: DataConfig, key: str):
     return ds
 
 
-def load_hub(d: DataConfig, split: str):
+def load_hub(d: SourceConfig, split: str):
     import datasets
 
     try:

@@ -15,11 +15,13 @@ from shardlight.recipe.schema import (
     FSDPConfig,
     LaunchConfig,
     LoggingConfig,
+    MixtureSource,
     ModelConfig,
     OptimConfig,
     ParallelismConfig,
     PeftConfig,
     RecipeConfig,
+    SourceConfig,
     TokenizerConfig,
     TrainerConfig,
     WandbConfig,
@@ -28,7 +30,8 @@ from shardlight.recipe.validate import get_key, validate
 
 __all__ = [
     "DEFAULT_RECIPE", "RECIPES_DIR", "load_recipe", "to_dict", "to_yaml", "validate", "get_key",
-    "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "PeftConfig", "TrainerConfig",
+    "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "SourceConfig", "MixtureSource", "OptimConfig",
+    "PeftConfig", "TrainerConfig",
     "FSDPConfig", "ParallelismConfig", "LoggingConfig", "WandbConfig", "CallbacksConfig", "CheckpointConfig",
     "LaunchConfig",
 ]

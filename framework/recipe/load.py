@@ -31,6 +31,23 @@ def nested_sections(schema: type) -> Dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(schema) if dataclasses.is_dataclass(hints[f.name])}
 
 
+@lru_cache(maxsize=None)
+def section_lists(schema: type) -> Dict[str, type]:
+    """Field name → item dataclass, for the fields of ``schema`` that are lists of sections (``data.datasets``)."""
+    hints = typing.get_type_hints(schema)
+    return {f.name: typing.get_args(hints[f.name])[0] for f in dataclasses.fields(schema)
+            if typing.get_origin(hints[f.name]) is list and dataclasses.is_dataclass(typing.get_args(hints[f.name])[0])}
+
+
+def _items(value: Any, full: str, source: str):
+    """The mappings of a list-of-sections key, with their dotted prefixes; one error for anything else."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ShardlightError(f"recipe key '{full}' in {source} must be a list of mappings, got {value!r}")
+    return [(f"{full}[{i}].", item) for i, item in enumerate(value)]
+
+
 def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
     """Unknown keys get a did-you-mean; OmegaConf's own message names neither the file nor a fix."""
     if not isinstance(raw, dict):
@@ -47,6 +64,9 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
             if value is not None and not isinstance(value, dict):
                 raise ShardlightError(f"recipe key '{full}' in {source} must be a mapping, got {value!r}")
             _check_keys(value, sections[key], f"{full}.", source)
+        elif key in section_lists(schema):
+            for item_prefix, item in _items(value, full, source):
+                _check_keys(item, section_lists(schema)[key], item_prefix, source)
 
 
 def _strip_optional(hint: Any) -> Tuple[Any, bool]:
@@ -121,6 +141,10 @@ def _conform(raw: dict, schema: type, prefix: str, source: str) -> None:
             elif isinstance(value, dict):
                 _conform(value, sections[key], f"{full}.", source)
             continue
+        if key in section_lists(schema):
+            for item_prefix, item in _items(value, full, source):
+                _conform(item, section_lists(schema)[key], item_prefix, source)
+            continue
         hint = hints[key]
         inner, _ = _strip_optional(hint)
         if typing.get_origin(inner) is list and value is not None and not isinstance(value, (list, dict)):
@@ -168,10 +192,12 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
     """After ``_conform``: the file lists are lists by now."""
     data = raw.get("data")
     if isinstance(data, dict):
-        for key in _FILE_LIST_KEYS:
-            value = data.get(key)
-            if isinstance(value, list):
-                data[key] = [str(base_dir / v) if isinstance(v, str) and not os.path.isabs(v) else v for v in value]
+        for source in [data, *(data.get("datasets") or [])]:
+            for key in _FILE_LIST_KEYS:
+                value = source.get(key)
+                if isinstance(value, list):
+                    source[key] = [str(base_dir / v) if isinstance(v, str) and not os.path.isabs(v) else v
+                                   for v in value]
         cache = data.get("cache_dir")
         if isinstance(cache, str) and not os.path.isabs(os.path.expanduser(cache)):
             data["cache_dir"] = str(base_dir / cache)

@@ -7,7 +7,8 @@ table all read them from here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 from shardlight.recipe.instrument_sections import CallbacksConfig, DiagnosisConfig
 
@@ -47,7 +48,10 @@ class TokenizerConfig:
 
 
 @dataclass
-class DataConfig:
+class SourceConfig:
+    """Where one dataset's rows are and how they read: the data section's own keys (one dataset), or each item
+    of ``data.datasets`` (a mixture)."""
+
     train_files: List[str] = field(
         default_factory=list, metadata={"help": "Local JSONL/JSON/CSV/Parquet/text files (relative to the recipe)."}
     )
@@ -72,6 +76,27 @@ class DataConfig:
         default="### Instruction:\n{prompt}\n\n### Response:\n",
         metadata={"help": "Template wrapped around the prompt; must contain {prompt}."},
     )
+
+
+@dataclass
+class MixtureSource(SourceConfig):
+    """One dataset of a mixture (``data.datasets``)."""
+
+    name: Optional[str] = field(
+        default=None, metadata={"help": "Its name in the logs (val/loss/<name>); null: its first file's or dataset's."}
+    )
+    weight: float = field(
+        default=1.0, metadata={"positive": True, "help": "Its share of the training examples, relative to the others."}
+    )
+
+
+@dataclass
+class DataConfig(SourceConfig):
+    datasets: List[MixtureSource] = field(
+        default_factory=list,
+        metadata={"help": "A mixture: several datasets, each with the keys above (its own files or hub dataset, "
+                          "format and fields) plus name and weight, instead of the single dataset's keys."},
+    )
     chat_template: Optional[str] = field(
         default=None,
         metadata={"help": "Chat template: a Jinja string, a file (relative to the recipe) or 'tokenizer' (its own); "
@@ -90,6 +115,14 @@ class DataConfig:
         metadata={"help": "Where tokenized data is cached for restarts and the other ranks (shared: built once "
                           "per cluster); null: ~/.cache/shardlight/data."},
     )
+
+    def sources(self) -> List[Tuple[str, str, SourceConfig]]:
+        """Each dataset as (name, its keys' prefix, its keys): the data section itself, or each mixture item
+        (named by ``name``, else by its first file's stem or its hub dataset's name)."""
+        if not self.datasets:
+            return [("data", "data", self)]
+        return [(s.name or (Path(s.train_files[0]).stem if s.train_files else str(s.dataset).rsplit("/", 1)[-1]),
+                 f"data.datasets[{i}]", s) for i, s in enumerate(self.datasets)]
 
 
 # The optimizers training builds (shardlight.build.optimizer) and the planner costs (shardlight.planner).

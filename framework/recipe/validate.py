@@ -9,7 +9,7 @@ import typing
 from typing import Any, Iterator, Optional, Tuple
 
 from shardlight.errors import ShardlightError
-from shardlight.recipe.schema import TP_STYLES, RecipeConfig
+from shardlight.recipe.schema import TP_STYLES, MixtureSource, RecipeConfig
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -87,18 +87,40 @@ def validate(cfg: RecipeConfig) -> None:
         raise ShardlightError("model: set exactly one of model.name_or_path (pretrained) or model.config (inline)")
     if cfg.model.config is not None and "model_type" not in cfg.model.config:
         raise ShardlightError("model.config must name its architecture with model_type (e.g. llama)")
-    if not cfg.data.train_files and not cfg.data.dataset:
-        raise ShardlightError("data: set data.train_files (local files) or data.dataset (hub dataset)")
+    _check_data(cfg)
     secrets = [k for k in cfg.launch.env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
     if secrets:
         raise ShardlightError(
             f"launch.env.{secrets[0]} looks like a secret; recipes and job scripts are written to disk, so export "
             "it in the submitting shell instead (sbatch passes the environment through)"
         )
-    if cfg.data.format == "instruction" and "{prompt}" not in cfg.data.prompt_template:
-        raise ShardlightError("data.prompt_template must contain {prompt}")
     _check_peft(cfg)
     _check_parallelism(cfg)
+
+
+def _check_data(cfg: RecipeConfig) -> None:
+    """One dataset (the data section's own keys) or a mixture (``data.datasets``), each source complete."""
+    d = cfg.data
+    sources = [("data", d)]
+    if d.datasets:
+        if d.train_files or d.val_files or d.dataset:
+            raise ShardlightError("data.datasets (a mixture) replaces data.train_files, data.val_files and "
+                                  "data.dataset; move them into one of its items")
+        sources = [(f"data.datasets[{i}]", source) for i, source in enumerate(d.datasets)]
+        for prefix, source in sources:
+            for key, f in schema_fields(MixtureSource, f"{prefix}."):
+                _check_field(key, getattr(source, f.name), f.metadata)
+        names = [name for name, _, _ in d.sources()]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ShardlightError(f"data.datasets: more than one source is named '{twice[0]}'; give each a "
+                                  "distinct name (it names its validation loss, val/loss/<name>)")
+    for prefix, source in sources:
+        if not source.train_files and not source.dataset:
+            raise ShardlightError(f"{prefix}: set {prefix}.train_files (local files) or {prefix}.dataset (hub "
+                                  "dataset)")
+        if source.format == "instruction" and "{prompt}" not in source.prompt_template:
+            raise ShardlightError(f"{prefix}.prompt_template must contain {{prompt}}")
 
 
 def _check_peft(cfg: RecipeConfig) -> None:
