@@ -56,14 +56,15 @@ def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[to
     logits upcast to fp32), and their count. The one definition: training, validation and the planner's fake
     step all call it.
 
-    A packed block (``position_ids`` restarting at each example) is given no attention mask: that is how
-    transformers recognises packing and keeps attention inside each example. No KV cache: training never reads
-    one, and transformers ignores packing when it builds one."""
+    A packed block (``position_ids`` restarting at each example) is given no attention mask and no KV cache:
+    that is how transformers recognises packing and keeps attention inside each example (it ignores packing when
+    it builds a cache). Other batches keep transformers' defaults, which the planner's fake step measures: on
+    fake tensors, the packing check itself would make a mask the real step never makes."""
     if batch.get("position_ids") is not None:
-        inputs = {"position_ids": batch["position_ids"]}
+        inputs = {"position_ids": batch["position_ids"], "use_cache": False}
     else:
         inputs = {"attention_mask": batch["attention_mask"]}
-    logits = model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits
+    logits = model(input_ids=batch["input_ids"], **inputs).logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
     total = F.cross_entropy(

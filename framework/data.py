@@ -228,7 +228,6 @@ def make_blocks(ds, seq_len: int, pad_id: int, packing: bool) -> Dict[str, np.nd
         log.info("dropped %d of %d examples with no supervised token", (~scored).sum(), len(scored))
     kept = scored[example]
     example, position, labels, source = example[kept], position[kept], labels[kept], source[kept]
-    lengths = np.where(scored, lengths, 0)
     if packing:
         block, offset = _pack(lengths[scored], seq_len)
         row, col = np.full(len(lengths), -1), np.zeros(len(lengths), np.int64)

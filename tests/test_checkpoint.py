@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
     """A saved tiny Llama and a recipe whose epoch is 4 optimizer steps (so 10 steps cross two epochs)."""
     root = tmp_path_factory.mktemp("ckpt")
     save_tiny_llama(root / "init")
-    rows = TRAIN_DATA.read_text().splitlines()[:30]
+    rows = TRAIN_DATA.read_text().splitlines()[:16]  # one packed block each at seq_len 32: 4 batches per rank
     (root / "train.jsonl").write_text("\n".join(rows) + "\n")
     recipe = root / "tiny.yaml"
     recipe.write_text(textwrap.dedent(f"""

@@ -66,10 +66,11 @@ def test_tp2_on_two_ranks_matches_single_process_with_checkpointing(tp_setup, tm
     assert summary["steps"] == STEPS and summary["world_size"] == 2
     assert "mesh dp_replicate 1 x dp_shard 1 x tp 2" in _wrap_line(output)
     assert_weights_close(final_weights(summary), reference_weights(tp_setup, 1))
-    # One data-parallel rank: the two TP ranks share each packed batch, so its tokens count once.
+    # One data-parallel rank: the two TP ranks share each packed batch, so its tokens count once (its blocks
+    # are more than half real tokens, so counting them twice would pass the whole blocks' size).
     with open(Path(summary["run_dir"]) / "csv" / "metrics.csv") as fh:
         seen = [float(r["train/tokens_seen"]) for r in csv.DictReader(fh) if r.get("train/tokens_seen")]
-    assert seen[-1] == STEPS * MICRO_BATCH * SEQ_LEN, seen
+    assert STEPS * MICRO_BATCH * SEQ_LEN / 2 < seen[-1] <= STEPS * MICRO_BATCH * SEQ_LEN, seen
     # Checkpointed blocks run forward twice per step (the extra forwards: the export check's logits on
     # every rank, rank 0 also the reload's).
     assert [c["block_forward"] for c in counts] == [LAYERS * (2 * STEPS + e) for e in (2, 1)], counts
