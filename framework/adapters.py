@@ -42,18 +42,27 @@ def lora_config(peft_cfg: PeftConfig) -> Any:
 def apply_adapters(model: nn.Module, *, peft_cfg: PeftConfig, seed: int) -> nn.Module:
     """``model`` with the recipe's adapters (only they, and ``modules_to_save``, train); unchanged without.
 
-    The adapters' random init (``lora_A``) is drawn from ``seed`` in a forked RNG, so every rank, a resumed run
-    and a single-process reference get the same adapters whatever consumed the global RNG before."""
+    The adapters' init is peft's own (``reset_lora_parameters``: ``lora_A`` random, ``lora_B`` zero), drawn
+    from ``seed`` in a forked RNG after they exist, so every rank, a resumed run and a single-process reference
+    get the same adapters whatever consumed the global RNG before, and a base on the meta device (a sharded
+    load's skeleton, whose adapters peft puts on meta with it) gets them too, made real on the CPU."""
     if peft_cfg.method is None:
         return model
     from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
 
+    try:
+        model = get_peft_model(model, lora_config(peft_cfg))
+    except (ValueError, TypeError, KeyError) as exc:  # e.g. no default targets for this architecture
+        raise ShardlightError(f"peft: {first_line(exc)}") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        try:
-            return get_peft_model(model, lora_config(peft_cfg))
-        except (ValueError, TypeError, KeyError) as exc:  # e.g. no default targets for this architecture
-            raise ShardlightError(f"peft: {first_line(exc)}") from None
+        for layer in (m for m in model.modules() if isinstance(m, LoraLayer)):
+            for part in (getattr(layer, name) for name in layer.adapter_layer_names):
+                if ADAPTER_NAME in part and any(p.is_meta for p in part.parameters()):
+                    part.to_empty(device="cpu")
+            layer.reset_lora_parameters(ADAPTER_NAME, True)
+    return model
 
 
 def is_adapter_model(model: Any) -> bool:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from transformers import PreTrainedModel
 from typing_extensions import override
 
 from shardlight.recipe import RecipeConfig
+from shardlight.strategy.sharded_load import checkpoint_keys, unloaded_keys
 
 IGNORE_INDEX = -100
 
@@ -78,16 +81,22 @@ class CausalLMModule(pl.LightningModule):
 
     Arguments:
         cfg: the recipe.
-        make_model: ``(weights: bool) -> PreTrainedModel``; ``weights=False`` builds the architecture only.
+        make_model: ``(weights: bool) -> PreTrainedModel``; ``weights=False`` builds the skeleton for a sharded
+            load (parameters on the meta device).
         make_optimization: parameter groups → what ``configure_optimizers`` returns.
+        sharded_weights: a safetensors checkpoint to read into the shards: the model is built as a skeleton and
+            the strategy, once it has sharded it, reads each rank's slices (``sharded_weights`` stays set for
+            it). None: the model is built with its weights.
     """
 
     def __init__(self, cfg: RecipeConfig, make_model: Callable[[bool], PreTrainedModel],
-                 make_optimization: Callable[[List[Dict[str, Any]]], Dict[str, Any]]) -> None:
+                 make_optimization: Callable[[List[Dict[str, Any]]], Dict[str, Any]],
+                 sharded_weights: Optional[Path] = None) -> None:
         super().__init__()
         self.cfg = cfg
         self._make_model = make_model
         self._make_optimization = make_optimization
+        self.sharded_weights = sharded_weights
         self.model: Optional[PreTrainedModel] = None
         self.first_val_loss: Optional[float] = None
         self.last_val_loss: Optional[float] = None
@@ -102,14 +111,23 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            if self.cfg.fsdp.cpu_ram_efficient_loading and self.global_rank != 0:
-                # Only rank 0 reads the checkpoint; FSDP materializes the others and broadcasts rank 0's weights.
-                with torch.device("meta"):
-                    self.model = self._make_model(False)
-            else:
-                self.model = self._make_model(True)
+            self.model = self._build_model()
             # FSDP flattens parameters to 1-D shards, so decide what gets weight decay before wrapping.
             self._decay_names = {f"model.{n}" for n, p in self.model.named_parameters() if p.dim() >= 2}
+
+    def _build_model(self) -> PreTrainedModel:
+        if self.sharded_weights is None:
+            return self._make_model(True)
+        skeleton = self._make_model(False)
+        missing = unloaded_keys(skeleton, checkpoint_keys(self.sharded_weights) or set())
+        if not missing:
+            return skeleton
+        # transformers renames or fuses some architectures' tensors while loading (e.g. MoE experts): only its
+        # own from_pretrained can read such a checkpoint, and every rank holds the whole model while it does.
+        rank_zero_warn(f"model.name_or_path: the checkpoint's tensors are not the model's (no {missing[0]}, and "
+                       f"{len(missing) - 1} more): every rank loads the whole model with from_pretrained")
+        self.sharded_weights = None
+        return self._make_model(True)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -59,12 +59,8 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
         raise ShardlightError(f"trainer.precision {cfg.trainer.precision} needs a GPU; use bf16-mixed on CPU")
     if resolved.sync_module_states and not _uses_gpu(cfg):
         raise ShardlightError(
-            "fsdp.sync_module_states / cpu_ram_efficient_loading need GPUs: FSDP broadcasts module states from "
-            "GPU memory only (Accelerate refuses them on CPU too)"
-        )
-    if resolved.cpu_ram_efficient_loading and (resolved.version == 2 or cfg.model.name_or_path is None):
-        raise ShardlightError(
-            "fsdp.cpu_ram_efficient_loading needs fsdp_version: 1 and a pretrained model.name_or_path"
+            "fsdp.sync_module_states needs GPUs: FSDP broadcasts module states from GPU memory only (Accelerate "
+            "refuses it on CPU too)"
         )
     skeleton = build_skeleton(cfg.model, config)
     if cfg.data.packing:

@@ -95,7 +95,7 @@ def reference_weights(recipe, world_size, accumulate=1):
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.trainer.seed)
         sampler.set_epoch(0)
         order.append(list(sampler))
-    module = build_module(cfg)
+    module = build_module(cfg, sharded_load=False)  # from_pretrained: the truth the sharded load must equal
     module.configure_model()
     optim = module.configure_optimizers()
     optimizer, schedule = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
@@ -255,7 +255,7 @@ BAD_FSDP = [
     (["fsdp.mesh_shape=[1,2]"], "mesh_shape only applies to hybrid sharding"),
     (["fsdp.transformer_cls_names_to_wrap=[Block]"], "Block not found in the model; module classes present"),
     (["trainer.precision=16-mixed"], "needs a GPU; use bf16-mixed on CPU"),
-    (["fsdp.sync_module_states=true"], "need GPUs: FSDP broadcasts module states from GPU memory only"),
+    (["fsdp.sync_module_states=true"], "needs GPUs: FSDP broadcasts module states from GPU memory only"),
 ]
 
 

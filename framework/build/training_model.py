@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
@@ -23,6 +24,7 @@ from shardlight.build.optimizer import build_optimization
 from shardlight.errors import ShardlightError, first_line
 from shardlight.causal_lm import CausalLMModule
 from shardlight.recipe import ModelConfig, RecipeConfig
+from shardlight.strategy.sharded_load import build_skeleton, checkpoint_keys
 
 # Long enough for a slow but working link; an air-gapped node answers in ms (no DNS) or never (dropped).
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -119,15 +121,42 @@ def build_hf_model(cfg: ModelConfig, weights: bool = True, config: Optional[Pret
 
 
 def build_training_model(cfg: RecipeConfig, weights: bool = True) -> nn.Module:
-    """The model a run trains: the HF model (4-bit for ``qlora``), wrapped by peft when ``peft.method`` is set."""
-    model = build_hf_model(cfg.model, weights=weights, quantization=quantization_config(cfg) if weights else None)
+    """The model a run trains: the HF model (4-bit for ``qlora``), wrapped by peft when ``peft.method`` is set.
+    ``weights=False``: its skeleton for a sharded load (parameters on the meta device; buffers and adapters
+    real)."""
+    if weights:
+        model = build_hf_model(cfg.model, quantization=quantization_config(cfg))
+    else:
+        model = build_skeleton(partial(build_hf_model, cfg.model, weights=False))
     return apply_adapters(model, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
 
 
-def build_module(cfg: RecipeConfig) -> CausalLMModule:
-    """The LightningModule, with the recipe's model and optimizer builders."""
+def sharded_weights_folder(cfg: RecipeConfig) -> Optional[Path]:
+    """The safetensors checkpoint the strategy reads into each rank's shards (``shardlight.strategy.sharded_load``)
+    instead of every rank calling ``from_pretrained``: the folder of ``model.name_or_path`` (a hub id's cached
+    snapshot). None, and each rank loads the whole model, for an inline ``model.config``, a ``qlora`` base
+    (bitsandbytes quantizes while loading), ``fsdp.cpu_ram_efficient_loading: false``, or a checkpoint with no
+    safetensors."""
+    name = cfg.model.name_or_path
+    if name is None or cfg.peft.method == "qlora" or cfg.fsdp.cpu_ram_efficient_loading is False:
+        return None
+    if os.path.isdir(name):
+        folder = Path(name)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(load_pretrained(snapshot_download, name, "model.name_or_path",
+                                      allow_patterns=["*.safetensors", "*.json"]))
+    return folder if checkpoint_keys(folder) is not None else None
+
+
+def build_module(cfg: RecipeConfig, *, sharded_load: bool = True) -> CausalLMModule:
+    """The LightningModule, with the recipe's model and optimizer builders. ``sharded_load=False``: the model is
+    built with its weights (``from_pretrained``) even where the strategy could read them into its shards (a
+    single process that no strategy shards)."""
     return CausalLMModule(
         cfg,
         make_model=partial(build_training_model, cfg),
         make_optimization=partial(build_optimization, optim=cfg.optim, max_steps=cfg.trainer.max_steps),
+        sharded_weights=sharded_weights_folder(cfg) if sharded_load else None,
     )

@@ -292,7 +292,8 @@ class FSDPConfig:
         default=None, metadata={"help": "FSDP1: broadcast rank 0's weights at wrap time (null: false)."}
     )
     cpu_ram_efficient_loading: Optional[bool] = field(
-        default=None, metadata={"help": "Load pretrained weights on rank 0 only and broadcast them (null: false)."}
+        default=None, metadata={"help": "Read pretrained safetensors into each rank's shards, never the whole "
+                                        "model in one rank (null: true; false: every rank loads it all)."}
     )
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute each transformer block in backward (non-reentrant)."}

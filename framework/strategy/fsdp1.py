@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardlight.strategy.options import ResolvedFSDP
+from shardlight.strategy.sharded_load import has_meta_parameters, meta_param_init
 from shardlight.strategy.unshard import register_fsdp_root
 from shardlight.strategy.wrapping import find_block_classes, unit_modules, wrap_report
 
@@ -49,11 +50,10 @@ def fsdp1_kwargs(resolved: ResolvedFSDP, device: torch.device, mixed_precision: 
 
 
 def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, *, mesh: Any = None,
-                mixed_precision: Any = None, rank: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
+                mixed_precision: Any = None) -> Tuple[nn.Module, Dict[str, Any]]:
     """Wrap ``model`` in FSDP1, then checkpoint activations of each block (after wrapping, as Lightning does).
 
-    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None); ``rank``: this
-    process's global rank. Returns the root wrapper (registered for ``unshard.full_params``) and the wrap
+    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None). Returns the root wrapper (registered for ``unshard.full_params``) and the wrap
     report (computed before wrapping, so unit sizes are full).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -70,9 +70,10 @@ def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, 
         )
     if mesh is not None:
         kwargs["device_mesh"] = mesh
-    if resolved.cpu_ram_efficient_loading and rank != 0:
-        # Weights exist on rank 0 only; the others materialize empty storage and receive a broadcast.
-        kwargs["param_init_fn"] = lambda module: module.to_empty(device=device, recurse=False)
+    if has_meta_parameters(model):
+        # A skeleton for a sharded load: FSDP gives each unit's parameters storage as it wraps them, then
+        # shards; the strategy reads the weights into the shards.
+        kwargs["param_init_fn"] = meta_param_init(device)
     blocks = []
     if resolved.activation_checkpointing:
         # Looked up before wrapping, so a bad class name fails before FSDP touches the model.

@@ -36,6 +36,7 @@ from shardlight.strategy.fsdp1 import (
 )
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_clip_grad_norm, fsdp2_full_state_dict, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
+from shardlight.strategy.sharded_load import has_meta_parameters, load_safetensors, materialize
 from shardlight.strategy.wrapping import format_wrap_report
 
 
@@ -146,9 +147,10 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         if any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules()):
             return model
         wrapped, report = apply_fsdp1(model, self.resolved, self.root_device, mesh=self._mesh,
-                                      mixed_precision=self.mixed_precision_config, rank=self.global_rank)
+                                      mixed_precision=self.mixed_precision_config)
         self._publish(report)
         self._fsdp1_root = wrapped
+        self._load_sharded(model, wrapped, prefix="model.")
         return wrapped
 
     def _setup_fsdp2(self, model: nn.Module) -> nn.Module:
@@ -162,7 +164,19 @@ class ShardlightFSDPStrategy(FSDPStrategy):
             return model
         self._fsdp2_root, report = apply_fsdp2(root, self.resolved, self._mesh)
         self._publish(report)
+        if has_meta_parameters(root):
+            materialize(root, self.root_device)
+        self._load_sharded(model, root, prefix="")
         return model
+
+    def _load_sharded(self, module: nn.Module, root: nn.Module, prefix: str) -> None:
+        """Read the pretrained weights into ``root``'s shards when ``module`` (the LightningModule) was built as
+        a skeleton for it (its ``sharded_weights``); ``prefix``: the HF model's attribute path in ``root``."""
+        folder = getattr(module, "sharded_weights", None)
+        if folder is None:
+            return
+        count = load_safetensors(root, folder, prefix)
+        rank_zero_info(f"Loaded {count} tensors from {folder} into each rank's shards")
 
     def _publish(self, report: Dict[str, Any]) -> None:
         """Keep the wrap report (``train`` writes it to the run dir) and log it on rank 0."""

@@ -177,7 +177,7 @@ def resolve_fsdp(fsdp: FSDPConfig, precision: str = "32-true", num_nodes: int = 
         mesh_shape=mesh,
         mixed_precision=explicit_mixed or _PRECISION_TO_FSDP.get(precision),
         # Accelerate's rule, applied here because the plugin is never told (see _DECIDED_HERE).
-        sync_module_states=bool(fsdp.sync_module_states or fsdp.cpu_ram_efficient_loading),
+        sync_module_states=bool(fsdp.sync_module_states),
         **read,
     )
 

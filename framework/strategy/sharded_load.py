@@ -1,0 +1,145 @@
+"""Pretrained weights straight into the shards, as torchtitan loads a Hugging Face checkpoint: every rank builds
+the model with its parameters on the meta device (``build_skeleton``), the strategy shards it (FSDP1, FSDP2, TP
+× FSDP2), gives this rank's shards memory (``materialize``, or FSDP1's ``meta_param_init`` while it wraps) and
+reads this rank's slices of the safetensors files into them (``load_safetensors``: DCP's
+``HuggingFaceStorageReader``, which reads each slice with safetensors' ``get_slice``). No rank ever holds the full
+model: a rank's memory for the load is its shards.
+
+What a checkpoint does not hold stays as built: buffers computed at construction (rotary frequencies) are
+built for real (accelerate's ``init_empty_weights(include_buffers=False)``), and PEFT adapters are made real
+before sharding (``shardlight.adapters``), so the load fills exactly the meta parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Set, TypeVar
+
+import torch
+from torch import nn
+
+from shardlight.errors import ShardlightError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# peft's names around a base model's tensors: the PeftModel/LoraModel prefix, the wrapped base layer, and the
+# frozen original and trainable copy of a ``modules_to_save`` module. Each is the checkpoint's tensor.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
+
+Built = TypeVar("Built")
+
+
+def checkpoint_keys(folder: Path) -> Optional[Set[str]]:
+    """The tensor names of a Hugging Face safetensors checkpoint (its index, or its one file's header); None
+    when ``folder`` holds no safetensors (an old ``pytorch_model.bin`` checkpoint)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def file_key(name: str, prefix: str = "") -> str:
+    """The checkpoint's name for the model's state-dict key ``name`` (under ``prefix``, the wrapper's own
+    attribute path), without peft's wrapping names."""
+    name = name.removeprefix(prefix).removeprefix(_PEFT_PREFIX)
+    return _PEFT_INFIX.sub("", name)
+
+
+def build_skeleton(build: Callable[[], Built]) -> Built:
+    """``build()`` with every parameter on the meta device and every buffer real, and weights tied again
+    (accelerate's meta parameters are new objects, so the ties ``build`` made are lost)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = build()
+    _tie(model)
+    return model
+
+
+def _tie(model: nn.Module) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "tie_weights"):
+        base.tie_weights()
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    return any(_local(p).is_meta for p in model.parameters())
+
+
+def unloaded_keys(model: nn.Module, keys: Set[str]) -> List[str]:
+    """The meta parameters of ``model`` (unwrapped) that no tensor of the checkpoint fills; tied parameters
+    count as filled when one of their names is."""
+    filled = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if file_key(name) in keys}
+    return [name for name, p in model.named_parameters() if p.is_meta and id(p) not in filled]
+
+
+def meta_param_init(device: torch.device) -> Callable[[nn.Module], None]:
+    """FSDP1's ``param_init_fn``: empty storage on ``device`` for a module's meta parameters, one new tensor
+    per meta tensor so that tied weights stay tied; real tensors (buffers, adapters) are kept."""
+    made: Dict[int, nn.Parameter] = {}
+
+    def init(module: nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                               requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+
+    return init
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give the sharded (FSDP2) ``model``'s meta shards empty storage on ``device``. ``to_empty`` is the way
+    FSDP2 re-points its sharded parameters; it empties every tensor, so the real ones (buffers, adapters) are
+    copied back, and ties made again (it makes one tensor per module)."""
+    real = {name: t.detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in _tensors(model):
+            if name in real:
+                t.copy_(real[name])
+    _tie(model)
+
+
+def _tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_safetensors(root: nn.Module, folder: Path, prefix: str = "") -> int:
+    """Read this rank's slices of the checkpoint in ``folder`` into the sharded ``root`` (every rank calls
+    it); ``prefix``: the attribute path of the Hugging Face model inside ``root``. Returns the number of
+    tensors read. Two parameters named by one tensor (peft's ``modules_to_save`` original and copy) both get
+    it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    keys = checkpoint_keys(folder) or set()
+    state = get_model_state_dict(root)
+    targets: Dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.startswith(prefix) and file_key(name, prefix) in keys:
+            targets.setdefault(file_key(name, prefix), tensor)
+    if not targets:
+        raise ShardlightError(f"model.name_or_path: {folder} holds none of the model's tensors")
+    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)))
+    loaded = {name: targets[file_key(name, prefix)] for name in state
+              if name.startswith(prefix) and file_key(name, prefix) in targets}
+    set_model_state_dict(root, loaded, options=StateDictOptions(strict=False))
+    return len(targets)
