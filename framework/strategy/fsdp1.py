@@ -53,8 +53,9 @@ def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, 
                 mixed_precision: Any = None) -> Tuple[nn.Module, Dict[str, Any]]:
     """Wrap ``model`` in FSDP1, then checkpoint activations of each block (after wrapping, as Lightning does).
 
-    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None). Returns the root wrapper (registered for ``unshard.full_params``) and the wrap
-    report (computed before wrapping, so unit sizes are full).
+    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None). Returns the root
+    wrapper (registered for ``unshard.full_params``) and the wrap report (computed before wrapping, so unit
+    sizes are full).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
