@@ -4,7 +4,8 @@ state dicts)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -50,12 +51,14 @@ def fsdp1_kwargs(resolved: ResolvedFSDP, device: torch.device, mixed_precision: 
 
 
 def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, *, mesh: Any = None,
-                mixed_precision: Any = None) -> Tuple[nn.Module, Dict[str, Any]]:
+                mixed_precision: Any = None, weights: Optional[Path] = None,
+                weights_prefix: str = "") -> Tuple[nn.Module, Dict[str, Any]]:
     """Wrap ``model`` in FSDP1, then checkpoint activations of each block (after wrapping, as Lightning does).
 
-    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None). Returns the root
-    wrapper (registered for ``unshard.full_params``) and the wrap report (computed before wrapping, so unit
-    sizes are full).
+    ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None); ``weights``: the
+    safetensors checkpoint a skeleton ``model`` (meta parameters) is read from as it is wrapped, the HF model
+    at ``weights_prefix`` in it. Returns the root wrapper (registered for ``unshard.full_params``) and the
+    wrap report (computed before wrapping, so unit sizes are full).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -72,9 +75,9 @@ def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, 
     if mesh is not None:
         kwargs["device_mesh"] = mesh
     if has_meta_parameters(model):
-        # A skeleton for a sharded load: FSDP gives each unit's parameters storage as it wraps them, then
-        # shards; the strategy reads the weights into the shards.
-        kwargs["param_init_fn"] = meta_param_init(device)
+        # A skeleton for a sharded load: FSDP gives each unit's parameters storage (and their weights) as it
+        # wraps them, then shards the unit before the next.
+        kwargs["param_init_fn"] = meta_param_init(device, model, weights, weights_prefix)
     blocks = []
     if resolved.activation_checkpointing:
         # Looked up before wrapping, so a bad class name fails before FSDP touches the model.

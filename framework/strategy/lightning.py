@@ -146,11 +146,14 @@ class ShardlightFSDPStrategy(FSDPStrategy):
             return self._fsdp1_root
         if any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules()):
             return model
+        folder = getattr(model, "sharded_weights", None)
         wrapped, report = apply_fsdp1(model, self.resolved, self.root_device, mesh=self._mesh,
-                                      mixed_precision=self.mixed_precision_config)
+                                      mixed_precision=self.mixed_precision_config, weights=folder,
+                                      weights_prefix="model.")
         self._publish(report)
         self._fsdp1_root = wrapped
-        self._load_sharded(model, wrapped, prefix="model.")
+        if folder is not None:
+            rank_zero_info(f"Read {folder} into each rank's shards, one FSDP unit at a time")
         return wrapped
 
     def _setup_fsdp2(self, model: nn.Module) -> nn.Module:
@@ -166,17 +169,12 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         self._publish(report)
         if has_meta_parameters(root):
             materialize(root, self.root_device)
-        self._load_sharded(model, root, prefix="")
+        # A skeleton (the LightningModule's ``sharded_weights``): read the pretrained weights into the shards.
+        folder = getattr(model, "sharded_weights", None)
+        if folder is not None:
+            count = load_safetensors(root, folder)
+            rank_zero_info(f"Loaded {count} tensors from {folder} into each rank's shards")
         return model
-
-    def _load_sharded(self, module: nn.Module, root: nn.Module, prefix: str) -> None:
-        """Read the pretrained weights into ``root``'s shards when ``module`` (the LightningModule) was built as
-        a skeleton for it (its ``sharded_weights``); ``prefix``: the HF model's attribute path in ``root``."""
-        folder = getattr(module, "sharded_weights", None)
-        if folder is None:
-            return
-        count = load_safetensors(root, folder, prefix)
-        rank_zero_info(f"Loaded {count} tensors from {folder} into each rank's shards")
 
     def _publish(self, report: Dict[str, Any]) -> None:
         """Keep the wrap report (``train`` writes it to the run dir) and log it on rank 0."""

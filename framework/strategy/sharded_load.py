@@ -1,9 +1,9 @@
 """Pretrained weights straight into the shards, as torchtitan loads a Hugging Face checkpoint: every rank builds
 the model with its parameters on the meta device (``build_skeleton``), the strategy shards it (FSDP1, FSDP2, TP
-× FSDP2), gives this rank's shards memory (``materialize``, or FSDP1's ``meta_param_init`` while it wraps) and
-reads this rank's slices of the safetensors files into them (``load_safetensors``: DCP's
-``HuggingFaceStorageReader``, which reads each slice with safetensors' ``get_slice``). No rank ever holds the full
-model: a rank's memory for the load is its shards.
+× FSDP2), gives this rank's shards memory (``materialize``) and reads this rank's slices of the safetensors files
+into them (``load_safetensors``: DCP's ``HuggingFaceStorageReader``, which reads each slice with safetensors'
+``get_slice``). FSDP1 can only shard a whole unit, so it reads each unit as it wraps it (``meta_param_init``).
+No rank ever holds the full model: a rank's memory for the load is its shards (and, on FSDP1, one unit).
 
 What a checkpoint does not hold stays as built: buffers computed at construction (rotary frequencies) are
 built for real (accelerate's ``init_empty_weights(include_buffers=False)``), and PEFT adapters are made real
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set, TypeVar
+from typing import Callable, Collection, Dict, List, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -32,18 +32,18 @@ _PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.defaul
 Built = TypeVar("Built")
 
 
-def checkpoint_keys(folder: Path) -> Optional[Set[str]]:
-    """The tensor names of a Hugging Face safetensors checkpoint (its index, or its one file's header); None
-    when ``folder`` holds no safetensors (an old ``pytorch_model.bin`` checkpoint)."""
+def checkpoint_keys(folder: Path) -> Optional[Dict[str, str]]:
+    """The tensor names of a Hugging Face safetensors checkpoint, each with the file that holds it (its index,
+    or its one file's header); None when ``folder`` holds no safetensors (an old ``pytorch_model.bin``)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
+        return dict(json.loads(index.read_text())["weight_map"])
     single = folder / SINGLE_FILE
     if single.is_file():
         from safetensors import safe_open
 
         with safe_open(str(single), framework="pt") as f:
-            return set(f.keys())
+            return {key: SINGLE_FILE for key in f.keys()}
     return None
 
 
@@ -75,16 +75,25 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(_local(p).is_meta for p in model.parameters())
 
 
-def unloaded_keys(model: nn.Module, keys: Set[str]) -> List[str]:
+def unloaded_keys(model: nn.Module, keys: Collection[str]) -> List[str]:
     """The meta parameters of ``model`` (unwrapped) that no tensor of the checkpoint fills; tied parameters
     count as filled when one of their names is."""
     filled = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if file_key(name) in keys}
     return [name for name, p in model.named_parameters() if p.is_meta and id(p) not in filled]
 
 
-def meta_param_init(device: torch.device) -> Callable[[nn.Module], None]:
-    """FSDP1's ``param_init_fn``: empty storage on ``device`` for a module's meta parameters, one new tensor
-    per meta tensor so that tied weights stay tied; real tensors (buffers, adapters) are kept."""
+def meta_param_init(device: torch.device, model: nn.Module, folder: Optional[Path] = None,
+                    prefix: str = "") -> Callable[[nn.Module], None]:
+    """FSDP1's ``param_init_fn`` for the skeleton ``model``: storage on ``device`` for a module's meta
+    parameters, filled from the checkpoint in ``folder`` (``prefix``: the HF model's attribute path in
+    ``model``). FSDP1 calls it for one unit at a time and shards the unit before the next, so a rank holds its
+    shards and one whole unit; each tensor is read with the file opened for it alone, so no file stays mapped.
+    One new tensor per meta tensor, so tied weights stay tied; real tensors (buffers, adapters) are kept."""
+    from safetensors import safe_open
+
+    files = checkpoint_keys(folder) if folder is not None else {}
+    keys = {id(p): file_key(name, prefix) for name, p in model.named_parameters(remove_duplicate=False)
+            if file_key(name, prefix) in (files or {})}
     made: Dict[int, nn.Parameter] = {}
 
     def init(module: nn.Module) -> None:
@@ -92,8 +101,12 @@ def meta_param_init(device: torch.device) -> Callable[[nn.Module], None]:
             if param is None or not param.is_meta:
                 continue
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                               requires_grad=param.requires_grad)
+                made[id(param)] = new = nn.Parameter(torch.empty_like(param, device=device),
+                                                     requires_grad=param.requires_grad)
+                key = keys.get(id(param))
+                if key is not None:
+                    with safe_open(str(folder / files[key]), framework="pt") as f, torch.no_grad():
+                        new.copy_(f.get_tensor(key))
             module._parameters[name] = made[id(param)]
 
     return init
@@ -121,25 +134,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def load_safetensors(root: nn.Module, folder: Path, prefix: str = "") -> int:
+def load_safetensors(root: nn.Module, folder: Path) -> int:
     """Read this rank's slices of the checkpoint in ``folder`` into the sharded ``root`` (every rank calls
-    it); ``prefix``: the attribute path of the Hugging Face model inside ``root``. Returns the number of
-    tensors read. Two parameters named by one tensor (peft's ``modules_to_save`` original and copy) both get
-    it."""
+    it; ``root`` is the Hugging Face model, sharded). Returns the number of tensors read. Two parameters
+    named by one tensor (peft's ``modules_to_save`` original and copy) both get it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    keys = checkpoint_keys(folder) or set()
+    keys = checkpoint_keys(folder) or {}
     state = get_model_state_dict(root)
     targets: Dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if name.startswith(prefix) and file_key(name, prefix) in keys:
-            targets.setdefault(file_key(name, prefix), tensor)
+        if file_key(name) in keys:
+            targets.setdefault(file_key(name), tensor)
     if not targets:
         raise ShardlightError(f"model.name_or_path: {folder} holds none of the model's tensors")
     dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)))
-    loaded = {name: targets[file_key(name, prefix)] for name in state
-              if name.startswith(prefix) and file_key(name, prefix) in targets}
+    loaded = {name: targets[file_key(name)] for name in state if file_key(name) in targets}
     set_model_state_dict(root, loaded, options=StateDictOptions(strict=False))
     return len(targets)
