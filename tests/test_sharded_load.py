@@ -81,7 +81,7 @@ def test_sharded_load_is_the_checkpoint_in_a_share_of_the_memory(pretrained, tmp
     # (FSDP1 measured 100 MB more on one rank). A fixed threshold makes the small model behave as the large.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MB)}
     proc = subprocess.run([sys.executable, str(WORKER), str(recipe), str(root / "reference.pt"), str(out),
-                           str(world), *overrides], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+                           str(tmp_path / "export"), str(world), *overrides], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"load.json.rank{r}").read_text()) for r in range(world)]
     first = ranks[0]
@@ -93,3 +93,10 @@ def test_sharded_load_is_the_checkpoint_in_a_share_of_the_memory(pretrained, tmp
     print(f"{path}: peak RSS growth per rank {[round(g / MB) for g in growth]} MB, budget {budget / MB:.0f} MB, "
           f"model {model_bytes / MB:.0f} MB")
     assert max(growth) <= budget, (growth, budget)
+    # The export from the shards: the files hold the checkpoint's tensors, in 100 MB files and an index, and
+    # writing them takes no more memory than the load did.
+    assert all(r["export_diff"] == 0.0 for r in ranks)
+    assert first["exported_vs_checkpoint"] == 0.0 and len(first["exported_files"]) >= 4, first
+    export_growth = [r["export_rss_growth"] for r in ranks]
+    print(f"{path}: export peak RSS over held per rank {[round(g / MB) for g in export_growth]} MB")
+    assert max(export_growth) <= budget, (export_growth, budget)
