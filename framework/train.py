@@ -23,6 +23,7 @@ from shardlight.files import write_json
 from shardlight.launch import launcher_named
 from shardlight.preflight import preflight
 from shardlight.recipe import RecipeConfig, to_yaml
+from shardlight.recipe.validate import max_shard_bytes
 from shardlight.run_context import RunContext
 from shardlight.strategy import resolve_recipe_fsdp
 
@@ -78,11 +79,11 @@ def plan_line(cfg: RecipeConfig, run_dir: Path) -> str:
 
 
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
-    """The last checkpoint and, with ``export: true``, its verified Hugging Face export (rank 0)."""
+    """The last checkpoint and, with ``export.checkpoint: true``, its verified Hugging Face export (rank 0)."""
     callback = find_callback(trainer)
     saved = callback.last_saved if callback is not None else None
     out: Dict[str, Any] = {"checkpoint": str(saved) if saved else None}
-    if cfg.export and saved is not None and trainer.is_global_zero:
+    if cfg.export.checkpoint and saved is not None and trainer.is_global_zero:
         report = export_checkpoint(saved, run_dir / "export")
         out.update(export_dir=report["out"], checkpoint_export_max_abs_diff=report["max_abs_diff"])
     return out
@@ -155,7 +156,9 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         write_json(run_dir / "wrap_report.json", wrap)
         for logger in trainer.loggers:
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
-    exported = export_live(trainer, module, tokenizer, run_dir)  # every rank: the full weights are gathered
+    exported = {"model_dir": None, "export_max_abs_diff": None}
+    if cfg.export.at_end:  # every rank: each writes its slices of the model
+        exported = export_live(trainer, module, tokenizer, run_dir, max_shard_bytes(cfg))
     model_dir = exported["model_dir"]
 
     summary = {
@@ -180,5 +183,6 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
             write_json(summary_json, summary)
         losses = "" if module.first_val_loss is None else (
             f", val loss {module.first_val_loss:.4f} -> {module.last_val_loss:.4f}")
-        print(f"shardlight: {summary['steps']} steps{losses}, model in {model_dir}")
+        where = f"model in {model_dir}" if model_dir else "no export (export.at_end: false)"
+        print(f"shardlight: {summary['steps']} steps{losses}, {where}")
     return summary

@@ -126,7 +126,7 @@ def test_reshard_two_to_one_to_two_ranks_and_export_at_end(tiny, run_a, tmp_path
     # Different data order on one rank, same weights: close to the 2-rank loss, far from the untrained one.
     assert abs(first - reference[7]) < abs(first - reference[1]), (first, reference)
     two, result = train(recipe, tmp_path / "two", "trainer.max_steps=12", "resume=auto",
-                        f"resume_dir={one['run_dir']}", "export=true")
+                        f"resume_dir={one['run_dir']}", "export.checkpoint=true")
     assert f"resumed from {Path(one['run_dir']) / 'checkpoints' / 'step-10'}" in result.stderr
     assert sorted(losses(two["run_dir"])) == [11, 12] and two["world_size"] == 2
     assert two["checkpoint_export_max_abs_diff"] <= 1e-5
@@ -412,7 +412,7 @@ def test_checkpoint_keys_and_collective_timeout():
     from shardlight.recipe import load_recipe
 
     cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
-                             "resume_dir=/x", "export=true", "trainer.collective_timeout_s=45"])
+                             "resume_dir=/x", "export.checkpoint=true", "trainer.collective_timeout_s=45"])
     assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, cfg.resume, cfg.export) == (7, None, "auto", True)
     assert build_strategy(cfg)._timeout == timedelta(seconds=45)
     for bad in ("checkpoint.keep_last=0", "checkpoint.every_n_steps=-1", "trainer.collective_timeout_s=0"):

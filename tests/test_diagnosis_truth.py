@@ -34,7 +34,7 @@ WINDOW_COST_MS = 2000.0
 # A short run with one comm window: steps 4..7 recorded (the last dropped, as HTA does), so 3 steps analysed.
 WINDOW = ["trainer.max_steps=14", "callbacks.comm.first_step=3", "callbacks.comm.every_n_steps=1000",
           "callbacks.comm.warmup=1", "callbacks.comm.active=4", "trainer.limit_val_batches=0",
-          "checkpoint.enabled=false", "export=false", "trainer.progress_bar=false", "logging.wandb.enabled=false",
+          "checkpoint.enabled=false", "export.checkpoint=false", "trainer.progress_bar=false", "logging.wandb.enabled=false",
           "callbacks.memory.every_n_steps=2", "callbacks.throughput.every_n_steps=2"]
 
 pytestmark = pytest.mark.slow

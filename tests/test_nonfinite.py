@@ -62,7 +62,7 @@ def checkpoint_tensors(checkpoint: Path, tmp_path: Path):
 @pytest.mark.slow
 def test_stop_is_the_default_one_line_exit_1_nothing_exported(tmp_path):
     # Clipping on (the recipe's 1.0): the global norm from clipping is the signal, no extra collective.
-    result, summary = train(tmp_path, "trainer.max_steps=6", "export=true")
+    result, summary = train(tmp_path, "trainer.max_steps=6", "export.checkpoint=true")
     assert result.returncode == 1, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-4000:]

@@ -37,8 +37,8 @@ from shardlight.checkpoint.export import (
     export_full_live,
     load_saved_weights,
     reference_and_full_state,
-    refuse_nonfinite,
 )
+from shardlight.checkpoint.safetensors_folder import refuse_nonfinite
 from shardlight.checkpoint.store import (
     HF_DIR,
     META,
@@ -75,7 +75,7 @@ def export_adapter_and_verify(model: Any, tokenizer: Optional[Any], out_dir: Pat
     if quantization is not None and (base_model is None or merge):
         raise ShardlightError("an adapter on a quantized base is exported against its pretrained base "
                               "(model.name_or_path), without --merge")
-    refuse_nonfinite(model.state_dict())
+    refuse_nonfinite(model.state_dict(), across_ranks=False)
     out_dir = Path(out_dir)
     adapter_dir, base_dir, merged_dir = out_dir / ADAPTER_DIR, out_dir / BASE_DIR, out_dir / MERGED_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,12 +154,13 @@ def export_adapter_state(state: Dict[str, torch.Tensor], *, config: Any, peft_co
 
 
 # ---------------------------------------------------------------- from the live run
-def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
-    """The trained model → ``run_dir/model/`` (``export.export_full_live``); a PEFT model → ``run_dir/model/adapter``
-    (no merge: ``shardlight export --merge`` writes that), verified against the live sharded model's logits.
-    Every rank must call it; elsewhere than rank 0 ``export_max_abs_diff`` is None."""
+def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path, max_shard_bytes: int) -> Dict[str, Any]:
+    """The trained model → ``run_dir/model/`` (``export.export_full_live``, from the shards, in files of at most
+    ``max_shard_bytes``); a PEFT model → ``run_dir/model/adapter`` (no merge: ``shardlight export --merge``
+    writes that), verified against the live sharded model's logits. Every rank must call it; elsewhere than
+    rank 0 ``export_max_abs_diff`` is None."""
     if not is_adapter_model(module.model):
-        return export_full_live(trainer, module, tokenizer, run_dir)
+        return export_full_live(trainer, module, tokenizer, run_dir, max_shard_bytes)
     out_dir = Path(run_dir) / MODEL_DIR
     config = module.model.config
     reference, state = reference_and_full_state(trainer, module)

@@ -17,6 +17,7 @@ non-finite value are never exported: one error naming the first such parameter, 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, TypedDict
 
@@ -27,6 +28,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from shardlight.callbacks.peer_failure import peer_failures_reported
+from shardlight.checkpoint.safetensors_folder import (
+    refuse_nonfinite,
+    verify_safetensors_folder,
+    write_safetensors_folder,
+)
 from shardlight.checkpoint.store import (
     HF_DIR,
     MODULE_PREFIX,
@@ -36,7 +42,7 @@ from shardlight.checkpoint.store import (
     verify_checkpoint,
 )
 from shardlight.errors import ShardlightError
-from shardlight.files import write_json
+from shardlight.files import share_with_group, write_json
 
 MODEL_DIR = "model"  # in the run dir: the live export
 EXPORT_CHECK_FILE = "export_check.safetensors"  # the fixed batch and the reference logits
@@ -67,16 +73,6 @@ def _hf_weights(module_state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Ten
     return {k[len(MODULE_PREFIX):]: v for k, v in module_state.items() if k.startswith(MODULE_PREFIX)}
 
 
-def refuse_nonfinite(weights: Mapping[str, torch.Tensor]) -> None:
-    """A model with a NaN or inf weight is broken, however well it reloads: one error naming the first."""
-    for name, tensor in weights.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not tensor.is_meta:
-            bad = ~torch.isfinite(tensor)
-            if bool(bad.any()):
-                raise ShardlightError(f"refusing to export non-finite weights: {name} has {int(bad.sum())} "
-                                      f"non-finite values (e.g. {float(tensor[bad][0]):g}); nothing written")
-
-
 @torch.no_grad()
 def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedConfig, tokenizer: Optional[Any],
                       out_dir: Path, reference_logits: torch.Tensor, check_file: Optional[Path] = None,
@@ -90,7 +86,7 @@ def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedC
     out_dir = Path(out_dir)
     check_file = Path(check_file) if check_file is not None else out_dir / EXPORT_CHECK_FILE
     weights = _hf_weights(module_state)
-    refuse_nonfinite(weights)
+    refuse_nonfinite(weights, across_ranks=False)
     with torch.device("meta"):  # no second copy: the weights are assigned, not copied
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     model.load_state_dict(weights, strict=False, assign=True)
@@ -115,37 +111,77 @@ def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedC
 
 
 # ---------------------------------------------------------------- from the live run
-def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path) -> Dict[str, Any]:
-    """The trained model → ``run_dir/model/``, verified against the live (sharded) model's logits.
+def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
+                     max_shard_bytes: int) -> Dict[str, Any]:
+    """The trained model → ``run_dir/model/`` from the shards (``safetensors_folder``: each rank writes its
+    slices, the ranks assemble the files one tensor at a time and read their slices back to compare exactly),
+    with its config, generation config and tokenizer; the live model's logits on the check batch go to
+    ``run_dir/export_check.safetensors`` for anyone who reloads it. No process holds the whole model.
 
-    Every rank must call it (the reference forward and the full state dict gather); the files are written
-    and checked on rank 0, elsewhere ``export_max_abs_diff`` is None.
-    """
+    Every rank must call it; ``export_max_abs_diff`` (the read-back's, over all ranks) is None elsewhere than
+    rank 0."""
     run_dir = Path(run_dir)
     model_dir = run_dir / MODEL_DIR
-    reference, state = reference_and_full_state(trainer, module)
+    reference = live_reference_logits(trainer, module)
+    with peer_failures_reported(trainer.global_rank):
+        state = sharded_hf_state(trainer.strategy.model)
+        refuse_nonfinite(state)
+        write_safetensors_folder(state, model_dir, max_shard_bytes)
+        if trainer.is_global_zero:
+            hf = module.model
+            config = copy.deepcopy(hf.config)
+            config.dtype = next(t.dtype for t in state.values() if t.dtype.is_floating_point)
+            config.save_pretrained(str(model_dir))
+            if hf.can_generate() and getattr(hf, "generation_config", None) is not None:
+                hf.generation_config.save_pretrained(str(model_dir))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(model_dir))
+            input_ids = check_batch(hf.config.vocab_size)
+            save_file({"input_ids": input_ids, "logits": reference.contiguous()}, str(run_dir / EXPORT_CHECK_FILE))
+        diff = verify_safetensors_folder(state, model_dir)
     if not trainer.is_global_zero:
         return {"model_dir": str(model_dir), "export_max_abs_diff": None}
-    report = export_and_verify(state, module.model.config, tokenizer, model_dir, reference,
-                               check_file=run_dir / EXPORT_CHECK_FILE,
-                               trust_remote_code=module.cfg.model.trust_remote_code)
-    return {"model_dir": str(model_dir), "export_max_abs_diff": report["max_abs_diff"]}
+    share_with_group(model_dir)
+    share_with_group(run_dir / EXPORT_CHECK_FILE)
+    return {"model_dir": str(model_dir), "export_max_abs_diff": diff}
 
 
-def reference_and_full_state(trainer: Any, module: Any) -> tuple:
-    """``(logits, state)``: the live sharded model's logits on the check batch and its full state dict (on rank 0;
-    elsewhere what the strategy returns there). Every rank must call it: both are collectives."""
+def sharded_hf_state(root: nn.Module) -> Dict[str, torch.Tensor]:
+    """The HF model's weights as the ranks hold them (``get_model_state_dict`` of the strategy's root, which
+    speaks FSDP1, FSDP2, TP and plain modules alike), under the HF model's names; of tied weights the first
+    name only, as ``save_pretrained`` writes them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    seen: set = set()
+    state: Dict[str, torch.Tensor] = {}
+    for name, tensor in get_model_state_dict(root).items():
+        if name.startswith(MODULE_PREFIX) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            state[name[len(MODULE_PREFIX):]] = tensor
+    return state
+
+
+def live_reference_logits(trainer: Any, module: Any) -> torch.Tensor:
+    """The live sharded model's fp32 logits on the check batch (every rank must call it: a sharded forward)."""
     strategy = trainer.strategy
     root = strategy.model
     was_training = root.training
-    # The collectives (the sharded forward's all-gathers, the weights' gather) run after fit, outside
-    # Lightning: a dead or hung peer is still one clear line, as during fit.
+    # The collectives run after fit, outside Lightning: a dead or hung peer is still one clear line.
     with peer_failures_reported(trainer.global_rank):
         root.eval()
         with torch.no_grad():
             batch = check_batch(module.model.config.vocab_size).to(strategy.root_device)
             reference = root(input_ids=batch).float().cpu()
         root.train(was_training)
+    return reference
+
+
+def reference_and_full_state(trainer: Any, module: Any) -> tuple:
+    """``(logits, state)``: the live sharded model's logits on the check batch and its full state dict (on rank 0;
+    elsewhere what the strategy returns there). Every rank must call it: both are collectives."""
+    reference = live_reference_logits(trainer, module)
+    strategy = trainer.strategy
+    with peer_failures_reported(trainer.global_rank):
         # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
         state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
     return reference, state

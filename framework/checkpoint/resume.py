@@ -62,8 +62,8 @@ def find_resume(cfg: Any) -> Optional[Path]:
 
 def resolve_resume(cfg: Any) -> Optional[Path]:
     """The checkpoint this run resumes from (None: a fresh start), checked before anything is written."""
-    if cfg.export and not cfg.checkpoint.enabled:
-        raise ShardlightError("export: true exports the final checkpoint; it needs checkpoint.enabled: true")
+    if cfg.export.checkpoint and not cfg.checkpoint.enabled:
+        raise ShardlightError("export.checkpoint: true exports the final checkpoint; it needs checkpoint.enabled: true")
     found = find_resume(cfg)
     if str(cfg.resume) == "auto" and found is None:
         print("shardlight: resume=auto found no complete checkpoint; starting fresh", file=sys.stderr)

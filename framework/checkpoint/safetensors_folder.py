@@ -76,12 +76,14 @@ def shard_plan(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> Dict[
     return plan
 
 
-def refuse_nonfinite(state: Mapping[str, torch.Tensor]) -> None:
-    """A model with a NaN or inf weight is broken, however well it reloads: one error (on every rank) naming
-    the first such weight and how many values it has, before anything is written."""
-    names = [n for n, t in state.items() if t.dtype.is_floating_point]
-    counts = torch.tensor([int((~torch.isfinite(_local(state[n]))).sum()) for n in names], dtype=torch.long)
-    if _distributed() and names:
+def refuse_nonfinite(state: Mapping[str, torch.Tensor], across_ranks: bool = True) -> None:
+    """A model with a NaN or inf weight is broken, however well it reloads: one error naming the first such
+    weight and how many values it has, before anything is written. ``across_ranks``: every rank calls it with
+    its shards and all raise alike (one all-reduce); else ``state`` is whole, in one process."""
+    names = [n for n, t in state.items() if torch.is_tensor(t) and t.dtype.is_floating_point]
+    counts = torch.tensor([0 if _local(state[n]).is_meta else int((~torch.isfinite(_local(state[n]))).sum())
+                           for n in names], dtype=torch.long)
+    if across_ranks and _distributed() and names:
         dist.all_reduce(counts)
     for name, count in zip(names, counts.tolist()):
         if count:

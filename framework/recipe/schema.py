@@ -417,6 +417,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    at_end: bool = field(default=True, metadata={"help": (
+        "Write the trained model as a Hugging Face folder to run_dir/model/ when training ends, from the shards "
+        "(false: checkpoints only; shardlight export makes the folder from one later).")})
+    checkpoint: bool = field(default=False, metadata={"help": (
+        "Also export the final checkpoint to run_dir/export (verified), as shardlight export does.")})
+    max_shard_size: str = field(default="5GB", metadata={"help": (
+        "Largest safetensors file of a full-model export, as save_pretrained's max_shard_size (e.g. 5GB, 500MB).")})
+
+
+@dataclass
 class LaunchConfig:
     env: Dict[str, str] = field(
         default_factory=dict,
@@ -441,13 +452,11 @@ class RecipeConfig:
     diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     resume: Optional[str] = field(
         default=None, metadata={"help": "auto (newest complete checkpoint, if any) or a checkpoint/run dir path."}
     )
     resume_dir: Optional[str] = field(
         default=None, metadata={"help": "resume=auto: the run dir to look in (null: newest run of this recipe)."}
-    )
-    export: bool = field(
-        default=False, metadata={"help": "After training, export the final checkpoint to run_dir/export (verified)."}
     )

@@ -96,6 +96,22 @@ def validate(cfg: RecipeConfig) -> None:
         )
     _check_peft(cfg)
     _check_parallelism(cfg)
+    max_shard_bytes(cfg)
+
+
+def max_shard_bytes(cfg: RecipeConfig) -> int:
+    """``export.max_shard_size`` in bytes (one line naming the value when it is no size)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    value = str(cfg.export.max_shard_size).strip()
+    try:
+        size = int(value) if value.isdigit() else parse_size_to_int(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ShardlightError(f"export.max_shard_size: '{cfg.export.max_shard_size}' is not a size; give a number "
+                              f"of bytes or one with a unit (e.g. 5GB, 500MB)")
+    return size
 
 
 def _check_data(cfg: RecipeConfig) -> None:
