@@ -413,7 +413,7 @@ def test_checkpoint_keys_and_collective_timeout():
 
     cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
                              "resume_dir=/x", "export.checkpoint=true", "trainer.collective_timeout_s=45"])
-    assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, cfg.resume, cfg.export) == (7, None, "auto", True)
+    assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, cfg.resume, cfg.export.checkpoint) == (7, None, "auto", True)
     assert build_strategy(cfg)._timeout == timedelta(seconds=45)
     for bad in ("checkpoint.keep_last=0", "checkpoint.every_n_steps=-1", "trainer.collective_timeout_s=0"):
         with pytest.raises(ShardlightError):

@@ -166,8 +166,9 @@ def test_activation_checkpointing_recomputes_each_block(tiny_setup, tmp_path, ve
     plain, plain_counts, _ = trained(recipe, tmp_path / "plain", base)
     ckpt, ckpt_counts, _ = run_worker(recipe, tmp_path / "ckpt", base + ["fsdp.activation_checkpointing=true"])
     layers = 2
-    # Extra forwards: every rank computes the export check's reference logits, rank 0 also the reload's.
-    extra = [2, 1]
+    # One extra forward per rank: the export check's reference logits (the export is verified tensor by
+    # tensor, no reload).
+    extra = [1, 1]
     assert [c["block_forward"] for c in plain_counts] == [layers * (STEPS + e) for e in extra], plain_counts
     assert [c["block_forward"] for c in ckpt_counts] == [layers * (2 * STEPS + e) for e in extra], ckpt_counts
     assert_weights_close(final_weights(ckpt), final_weights(plain), atol=1e-6)

@@ -3,8 +3,9 @@
 :func:`export_and_verify` does the work; its two callers differ only in where the weights and the
 reference logits come from:
 
-- :func:`export_full_live` (end of training, every rank): the live FSDP model's full state dict (gathered on
-  rank 0) and the live model's logits → ``run_dir/model/``, check batch in ``run_dir/export_check.safetensors``.
+- :func:`export_full_live` (end of training, every rank): streamed from the shards, no process holds the
+  whole model (``safetensors_folder``), verified by reading each rank's slices back exactly; the live model's
+  logits on the check batch go to ``run_dir/export_check.safetensors``.
 - :func:`export_full_checkpoint` (``shardlight export``, one process): the architecture from the checkpoint's
   ``hf/`` config with DCP reading the model shards straight into it (the optimizer state is never read),
   and that model's logits → ``OUT/``, check batch in ``OUT/export_check.safetensors``, report in
@@ -18,6 +19,7 @@ non-finite value are never exported: one error naming the first such parameter, 
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, TypedDict
 
@@ -123,7 +125,9 @@ def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
     run_dir = Path(run_dir)
     model_dir = run_dir / MODEL_DIR
     reference = live_reference_logits(trainer, module)
-    with peer_failures_reported(trainer.global_rank):
+    with peer_failures_reported(trainer.global_rank), warnings.catch_warnings():
+        # FSDP1's sharded state is ShardedTensors, each access of which warns of their deprecation.
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
         state = sharded_hf_state(trainer.strategy.model)
         refuse_nonfinite(state)
         write_safetensors_folder(state, model_dir, max_shard_bytes)

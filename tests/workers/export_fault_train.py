@@ -1,8 +1,8 @@
 """`shardlight train ARGS` where one rank dies or stops in the live export after fit, for the fault tests.
 
 $EXPORT_FAULT is ``<rank>:kill`` (SIGKILL) or ``<rank>:stop`` (SIGSTOP: a hung rank). That rank does it to
-itself as it enters the full-weights gather (the reference forward before it has run on every rank), so the
-other rank is inside ``export_live``'s collectives when the peer goes. Every rank writes its pid to
+itself as it enters the safetensors write (the reference forward before it has run on every rank), so the
+other rank is inside the export's collectives when the peer goes. Every rank writes its pid to
 ``$EXPORT_FAULT_DIR/rank<R>.pid`` at start; the victim writes the time of its fault to ``fault`` just before.
 
 The run is otherwise real (a 2-rank gloo FSDP fit); Lightning's launcher re-executes this script for rank 1,
@@ -17,22 +17,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from shardlight.strategy.lightning import ShardlightFSDPStrategy  # noqa: E402
+import shardlight.checkpoint.export as export  # noqa: E402
 
 _DIR = Path(os.environ["EXPORT_FAULT_DIR"])
 _RANK, _ACTION = os.environ["EXPORT_FAULT"].split(":")
 _SIGNAL = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[_ACTION]
-_full_state_dict = ShardlightFSDPStrategy.full_state_dict
+_write = export.write_safetensors_folder
 
 
-def _faulty_full_state_dict(self):
-    if self.global_rank == int(_RANK):
+def _faulty_write(state, out_dir, max_shard_bytes):
+    import torch.distributed as dist
+
+    if dist.get_rank() == int(_RANK):
         (_DIR / "fault").write_text(repr(time.time()))
         os.kill(os.getpid(), _SIGNAL)
-    return _full_state_dict(self)
+    return _write(state, out_dir, max_shard_bytes)
 
 
-ShardlightFSDPStrategy.full_state_dict = _faulty_full_state_dict
+export.write_safetensors_folder = _faulty_write
 
 if __name__ == "__main__":
     from shardlight.cli.main import leave, main
