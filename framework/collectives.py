@@ -13,12 +13,12 @@ def dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_gather_objects(obj: Any) -> List[Any]:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    if not dist_ready() or dist.get_world_size() == 1:
+def all_gather_objects(obj: Any, group: Optional[Any] = None) -> List[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (of ``group``, by default the world)."""
+    if not dist_ready() or dist.get_world_size(group) == 1:
         return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -19,13 +19,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from shardlight.adapters import apply_adapters, check_adapter_machine, check_adapter_targets
 from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
 from shardlight.build.optimizer import check_optimizer
-from shardlight.build.training_model import transformers_reason
+from shardlight.build.training_model import reads_into_shards, transformers_reason
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
+from shardlight.strategy.sharded_load import checkpoint_keys, largest_read_bytes, load_host_bytes
 from shardlight.strategy.tensor_parallel import check_tensor_parallel
 
 # Ranks per core on CPU beyond which a run crawls so badly it looks hung (2 is normal: 4-rank tests on 2 cores).
@@ -74,8 +75,12 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
     # are looked up in the wrapped model, as FSDP will.
     with torch.device("meta"):
         skeleton = apply_adapters(skeleton, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
+    classes = None
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
+        classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
+    if cfg.model.name_or_path is not None and ctx.rank == 0:
+        # Compared with this machine's RAM only where the ranks run (not on a login node submitting a job).
+        check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
     check_writable_dir(cache_root(cfg), "data.cache_dir")
     check_writable_dir(cfg.output_dir)  # last: the checks that write (probe files, removed again)
     return tokenizer
@@ -104,6 +109,44 @@ def check_cpu_ranks(cfg: RecipeConfig) -> None:
             "or set trainer.allow_oversubscribe=true to run them anyway")
     if ranks > cores:
         warn(f"trainer.devices={ranks} CPU ranks share {cores} usable cores; each step will be slower")
+
+
+def check_load_memory(cfg: RecipeConfig, resolved, skeleton: torch.nn.Module, classes: Optional[list],
+                      here: bool = True) -> None:
+    """Print the host RAM the pretrained load needs per node (``load_host_bytes``: each rank's share plus
+    what it reads whole), and (``here``: on the node the ranks run on) refuse a load that this node's RAM
+    cannot hold at all."""
+    import psutil
+
+    t, dims = cfg.trainer, resolved.parallel
+    folder = Path(cfg.model.name_or_path)
+    sharded = reads_into_shards(cfg) and (not folder.is_dir() or checkpoint_keys(folder) is not None)
+    if dims is not None:
+        shard_ranks = dims.tp * dims.dp_shard
+    elif resolved.sharding_strategy == "NO_SHARD":
+        shard_ranks = 1
+    else:
+        shard_ranks = resolved.mesh_shape[1] if resolved.hybrid and resolved.mesh_shape else t.devices * t.num_nodes
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in skeleton.parameters()}.values())
+    unit_classes = tuple(classes or ()) if resolved.version == 1 else ()
+    per_rank = load_host_bytes(total, largest_read_bytes(skeleton, unit_classes), shard_ranks,
+                               sharded=sharded, on_gpu=_uses_gpu(cfg))
+    node, memory = per_rank * t.devices, psutil.virtual_memory()
+    read = "one unit" if unit_classes else "one tensor"
+    how = ("the whole model" if not sharded else f"{read} at a time into its shards on the GPU" if _uses_gpu(cfg)
+           else f"its share and {read}")
+    line = (f"loading {cfg.model.name_or_path}: {_gb(total)} of weights; about {_gb(node)} of host RAM per node "
+            f"({t.devices} rank(s) x {_gb(per_rank)}: {how})")
+    if here:
+        line += f"; this machine has {_gb(memory.available)} available"
+    if here and node > memory.total:
+        fix = "use more ranks" if sharded else "set fsdp.cpu_ram_efficient_loading: true (each rank reads its share)"
+        raise ShardlightError(f"{line}, {_gb(memory.total)} in all: it cannot hold the load; {fix}")
+    print(f"shardlight: {line}", file=sys.stderr, flush=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
 
 
 def build_skeleton(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:

@@ -81,10 +81,10 @@ def plan_line(cfg: RecipeConfig, run_dir: Path) -> str:
 def _checkpoint_summary(cfg: RecipeConfig, trainer, run_dir: Path) -> Dict[str, Any]:
     """The last checkpoint and, with ``export.checkpoint: true``, its verified Hugging Face export (rank 0)."""
     callback = find_callback(trainer)
-    saved = callback.last_saved if callback is not None else None
+    saved = callback.wait() if callback is not None else None
     out: Dict[str, Any] = {"checkpoint": str(saved) if saved else None}
     if cfg.export.checkpoint and saved is not None and trainer.is_global_zero:
-        report = export_checkpoint(saved, run_dir / "export")
+        report = export_checkpoint(saved, run_dir / "export", max_shard_bytes=max_shard_bytes(cfg))
         out.update(export_dir=report["out"], checkpoint_export_max_abs_diff=report["max_abs_diff"])
     return out
 
@@ -94,7 +94,7 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
     """The summary of a run that stopped before a non-finite update; rank 0 says so in one line."""
     callback = find_callback(trainer)
     # Nothing saved since a resume: the checkpoint this run started from is the last good one.
-    saved = (callback.last_saved or callback.resume_from) if callback is not None else None
+    saved = (callback.wait() or callback.resume_from) if callback is not None else None
     message = (f"{stop}; stopped every rank before that update (trainer.on_nonfinite=stop), nothing exported; "
                f"last good checkpoint: {saved or 'none'}")
     summary = {

@@ -364,3 +364,16 @@ def test_wrap_granularity_advice_for_blocks_far_from_the_unit_range(tmp_path, ca
     assert "fsdp.min_num_params=125000000" in advice[0] and "0.2 GB per all-gather" in advice[0]
     small, _ = plan(tmp_path, capsys, "--hf-config", write_config(tmp_path, LLAMA_1B), "--gpu-memory", "16GB")
     assert not any(r.startswith("Wrap granularity") for r in small["recommendation"]["reasons"])  # 61M blocks
+
+
+def test_plan_prints_the_host_ram_of_the_load(tmp_path, capsys):
+    """The 70B recipe (bf16, FSDP1, 8 GPUs a node): a sharded load reads one FSDP1 unit whole per rank, the
+    root (embeddings and head, 2.1B parameters) the largest; every rank calling from_pretrained holds 141 GB."""
+    result, out = plan(tmp_path, capsys, str(REPO / "recipes" / "llama-3-70b-hybrid.yaml"))
+    model, load = result["model"], result["load"]
+    assert model["largest_unit_params"] == model["root_params"]
+    assert load["weights_bytes"] == model["total_params"] * 2
+    assert load["sharded_per_node_bytes"] == 8 * model["root_params"] * 2
+    assert load["whole_per_node_bytes"] == 8 * model["total_params"] * 2
+    assert (f"load: 141 GB of weights; host RAM per node {8 * model['root_params'] * 2 / 1e9:.0f} GB reading each "
+            "rank's shards (the default), 1129 GB (MORE THAN THE NODE HAS)") in out, out

@@ -174,3 +174,31 @@ def test_offline_mode_never_touches_the_network(tmp_path, capfd, monkeypatch):
     assert_one_line_error(capfd, code, "tokenizer.name_or_path 'shardlight-tests/no-such-tokenizer'",
                           "HF_HUB_OFFLINE is set", "hf download shardlight-tests/no-such-tokenizer")
     assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("overrides,per_rank", [
+    # the tiny Llama: 53,408 fp32 parameters (213,632 bytes); the root unit (embeddings + head, 131,200 bytes)
+    # is FSDP1's largest; FSDP2 reads slices, the largest tensor being an embedding (65,536 bytes)
+    (["fsdp.fsdp_version=1"], 213_632 // 2 + 131_200),
+    (["fsdp.fsdp_version=2"], 213_632 // 2 + 65_536),
+    (["fsdp.cpu_ram_efficient_loading=false"], 213_632),
+], ids=["fsdp1", "fsdp2", "whole"])
+def test_host_ram_for_the_load_is_printed_and_a_node_too_small_is_refused(tmp_path, capfd, monkeypatch, overrides,
+                                                                          per_rank):
+    from collections import namedtuple
+
+    from conftest import save_tiny_llama
+
+    ckpt = save_tiny_llama(tmp_path / "ckpt")
+    args = ["train", f"output_dir={tmp_path / 'runs'}", f"model.name_or_path={ckpt}", "model.config=null",
+            "trainer.devices=2", "trainer.progress_bar=false", *overrides]
+    with pytest.raises(AssertionError, match="reached the Trainer"):
+        main(args)
+    err = capfd.readouterr().err
+    assert f"about {2 * per_rank / 1e6:.1f} MB of host RAM per node (2 rank(s) x {per_rank / 1e6:.1f} MB" in err, err
+    memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: memory(2 * per_rank - 1, 2 * per_rank - 1))
+    out = tmp_path / "small"
+    code = main([*args[:1], f"output_dir={out}", *args[2:]])
+    assert_one_line_error(capfd, code, "it cannot hold the load")
+    assert_nothing_written(out)

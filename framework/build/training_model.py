@@ -131,6 +131,13 @@ def build_training_model(cfg: RecipeConfig, weights: bool = True) -> nn.Module:
     return apply_adapters(model, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
 
 
+def reads_into_shards(cfg: RecipeConfig) -> bool:
+    """Whether the recipe's pretrained weights go straight into each rank's shards (a checkpoint in
+    safetensors assumed; ``sharded_weights_folder`` checks)."""
+    return (cfg.model.name_or_path is not None and cfg.peft.method != "qlora"
+            and cfg.fsdp.cpu_ram_efficient_loading is not False)
+
+
 def sharded_weights_folder(cfg: RecipeConfig) -> Optional[Path]:
     """The safetensors checkpoint the strategy reads into each rank's shards (``shardlight.strategy.sharded_load``)
     instead of every rank calling ``from_pretrained``: the folder of ``model.name_or_path`` (a hub id's cached
@@ -138,7 +145,7 @@ def sharded_weights_folder(cfg: RecipeConfig) -> Optional[Path]:
     (bitsandbytes quantizes while loading), ``fsdp.cpu_ram_efficient_loading: false``, or a checkpoint with no
     safetensors."""
     name = cfg.model.name_or_path
-    if name is None or cfg.peft.method == "qlora" or cfg.fsdp.cpu_ram_efficient_loading is False:
+    if not reads_into_shards(cfg):
         return None
     if os.path.isdir(name):
         folder = Path(name)

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.adapters import ADAPTER_NAME, is_adapter_model, quantization_config
 from shardlight.checkpoint.export import (
+    DEFAULT_MAX_SHARD_BYTES,
     EXPORT_CHECK_FILE,
     EXPORT_REPORT_FILE,
     EXPORT_TOLERANCE,
@@ -209,7 +210,8 @@ def load_adapter_checkpoint_model(checkpoint: Path) -> Any:
 
 
 @torch.no_grad()
-def export_checkpoint(path: Path, out_dir: Path, merge: bool = False) -> Dict[str, Any]:
+def export_checkpoint(path: Path, out_dir: Path, merge: bool = False,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Dict[str, Any]:
     """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified export; a full model as
     ``export.export_full_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/merged`` with ``merge``). The report
     is also written to ``OUT/export_report.json``; nothing is written when the checkpoint does not verify."""
@@ -218,7 +220,7 @@ def export_checkpoint(path: Path, out_dir: Path, merge: bool = False) -> Dict[st
     if peft_meta is None:
         if merge:
             raise ShardlightError(f"--merge merges LoRA adapters; checkpoint {checkpoint} holds a full model")
-        return export_full_checkpoint(checkpoint, out_dir)
+        return export_full_checkpoint(checkpoint, out_dir, max_shard_bytes)
     model = load_adapter_checkpoint_model(checkpoint)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     reference = model.float()(input_ids=check_batch(model.config.vocab_size)).logits

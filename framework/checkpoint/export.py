@@ -19,6 +19,7 @@ non-finite value are never exported: one error naming the first such parameter, 
 from __future__ import annotations
 
 import copy
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, TypedDict
@@ -31,7 +32,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from shardlight.callbacks.peer_failure import peer_failures_reported
 from shardlight.checkpoint.safetensors_folder import (
+    INDEX_FILE,
+    SINGLE_FILE,
     refuse_nonfinite,
+    shard_plan,
     verify_safetensors_folder,
     write_safetensors_folder,
 )
@@ -61,8 +65,14 @@ class ExportReport(TypedDict):
     ok: bool
 
 
-class CheckpointExportReport(ExportReport):
+class CheckpointExportReport(TypedDict):
+    """``shardlight export`` of a full model: the files are read back and compared exactly."""
     checkpoint: str
+    out: str
+    files: int
+    max_abs_diff: float
+    tolerance: float
+    ok: bool
 
 
 def check_batch(vocab_size: int) -> torch.Tensor:
@@ -156,13 +166,20 @@ def sharded_hf_state(root: nn.Module) -> Dict[str, torch.Tensor]:
     name only, as ``save_pretrained`` writes them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    state = get_model_state_dict(root)
+    return {name[len(MODULE_PREFIX):]: tensor for name, tensor in first_names(state).items()
+            if name.startswith(MODULE_PREFIX)}
+
+
+def first_names(state: Mapping[str, Any]) -> Dict[str, Any]:
+    """``state`` with each tensor under its first name only, as ``save_pretrained`` writes tied weights."""
     seen: set = set()
-    state: Dict[str, torch.Tensor] = {}
-    for name, tensor in get_model_state_dict(root).items():
-        if name.startswith(MODULE_PREFIX) and id(tensor) not in seen:
+    out: Dict[str, Any] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in seen:
             seen.add(id(tensor))
-            state[name[len(MODULE_PREFIX):]] = tensor
-    return state
+            out[name] = tensor
+    return out
 
 
 def live_reference_logits(trainer: Any, module: Any) -> torch.Tensor:
@@ -221,21 +238,78 @@ def load_saved_weights(model: torch.nn.Module, checkpoint: Path, saved: Dict[str
         raise ShardlightError(f"could not read checkpoint {checkpoint}: {type(exc).__name__}") from None
 
 
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's 5GB
+PARTIAL_SUFFIX = ".partial"  # an export being written, beside its folder; renamed in when verified
+
+
 @torch.no_grad()
-def export_full_checkpoint(path: Path, out_dir: Path) -> CheckpointExportReport:
-    """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified HF dir; the report is also
-    written to ``out_dir/export_report.json``. Nothing is written when the checkpoint does not verify."""
+def export_full_checkpoint(path: Path, out_dir: Path,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> CheckpointExportReport:
+    """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a Hugging Face folder, one output file at a
+    time: each file's tensors are read from the shards (DCP), refused if non-finite, written, and read back
+    and compared exactly before the next, so the process holds one file of at most ``max_shard_bytes``,
+    never the model. The folder is assembled beside ``out_dir`` and moved in when every file verified;
+    nothing is written to ``out_dir`` when the checkpoint does not verify. The report is also written to
+    ``out_dir/export_report.json``."""
+    from safetensors import safe_open
+
     checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
-    model = load_checkpoint_model(checkpoint)
-    # The weights in the checkpoint's dtype, taken before the fp32 reference upcasts the model's own.
-    state = {MODULE_PREFIX + k: v for k, v in model.state_dict().items()}
-    config = model.config
-    # fp32 reference: the reload upcasts the same (e.g. bf16) values exactly.
-    reference = model.float()(input_ids=check_batch(config.vocab_size)).logits
-    del model
+    verify_checkpoint(checkpoint)
     hf = checkpoint / HF_DIR
-    tokenizer = AutoTokenizer.from_pretrained(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
-    report: CheckpointExportReport = {"checkpoint": str(checkpoint),
-                                      **export_and_verify(state, config, tokenizer, out_dir, reference)}
+    if not (hf / "config.json").is_file():
+        raise ShardlightError(f"checkpoint {checkpoint} has no {HF_DIR}/config.json")
+    config = AutoConfig.from_pretrained(str(hf))
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = list(first_names(skeleton.state_dict(keep_vars=True)))
+    missing = [n for n in names if WEIGHT_PREFIX + n not in saved]
+    if missing:
+        raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {', '.join(missing[:5])}")
+    shapes = {n: torch.empty(saved[WEIGHT_PREFIX + n].size, dtype=saved[WEIGHT_PREFIX + n].properties.dtype,
+                             device="meta") for n in names}
+    plan = shard_plan(shapes, max_shard_bytes)
+    count = max(plan.values())
+    partial = out_dir.with_name(out_dir.name + PARTIAL_SUFFIX)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    weight_map: Dict[str, str] = {}
+    worst = 0.0
+    try:
+        for index in range(1, count + 1):
+            part = {n: torch.empty(shapes[n].shape, dtype=shapes[n].dtype) for n in names if plan[n] == index}
+            dcp.load({WEIGHT_PREFIX + n: t for n, t in part.items()}, checkpoint_id=str(checkpoint), no_dist=True)
+            refuse_nonfinite(part, across_ranks=False)
+            file = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+            save_file(part, str(partial / file), metadata={"format": "pt"})
+            with safe_open(str(partial / file), framework="pt") as f:
+                for n, t in part.items():
+                    if t.numel():
+                        worst = max(worst, float((f.get_tensor(n).float() - t.float()).abs().max()))
+            weight_map.update(dict.fromkeys(part, file))
+            del part
+        if count > 1:
+            total = sum(_bytes(t) for t in shapes.values())
+            write_json(partial / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        config.dtype = next(t.dtype for t in shapes.values() if t.dtype.is_floating_point)
+        config.save_pretrained(str(partial))
+        if (hf / "generation_config.json").is_file():
+            shutil.copy2(hf / "generation_config.json", partial / "generation_config.json")
+        if (hf / "tokenizer_config.json").is_file():
+            AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(partial))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file in partial.iterdir():
+        file.replace(out_dir / file.name)
+    partial.rmdir()
+    share_with_group(out_dir)
+    report: CheckpointExportReport = {"checkpoint": str(checkpoint), "out": str(out_dir), "files": count,
+                                      "max_abs_diff": worst, "tolerance": 0.0, "ok": worst == 0.0}
     write_json(out_dir / EXPORT_REPORT_FILE, report)
     return report
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

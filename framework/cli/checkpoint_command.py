@@ -11,8 +11,10 @@ from shardlight.files import write_json
 
 def run_export(args: argparse.Namespace) -> int:
     from shardlight.checkpoint import export_checkpoint  # torch, transformers: when the command runs
+    from shardlight.recipe.validate import parse_size
 
-    report = export_checkpoint(Path(args.checkpoint), Path(args.out), merge=args.merge)
+    max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+    report = export_checkpoint(Path(args.checkpoint), Path(args.out), merge=args.merge, max_shard_bytes=max_shard_bytes)
     verdict = "OK" if report["ok"] else "FAILED"
     if "adapter_dir" in report:  # a PEFT checkpoint: the adapter and, with --merge, the merged model
         checked = f"adapter max |diff| = {report['adapter_max_abs_diff']:.3g}"
@@ -22,8 +24,8 @@ def run_export(args: argparse.Namespace) -> int:
               else "") + f"); reload check (fp32 logits, fixed batch): {checked} "
               f"(tolerance {report['tolerance']:g}): {verdict}")
         return 0 if report["ok"] else 1
-    print(f"exported {report['checkpoint']} -> {report['out']}; reload check (fp32 logits, fixed batch): "
-          f"max |diff| = {report['max_abs_diff']:.3g} (tolerance {report['tolerance']:g}): {verdict}")
+    print(f"exported {report['checkpoint']} -> {report['out']} ({report['files']} safetensors file(s), written one "
+          f"at a time); read back tensor by tensor: max |diff| = {report['max_abs_diff']:.3g}: {verdict}")
     return 0 if report["ok"] else 1
 
 
@@ -40,11 +42,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 def add_parsers(subparsers: Any) -> None:
     export = subparsers.add_parser(
         "export", help="sharded checkpoint -> Hugging Face save_pretrained dir, verified",
-        description="Write save_pretrained safetensors + config + tokenizer from a sharded checkpoint, reload "
-        "them with AutoModelForCausalLM.from_pretrained and compare logits with the checkpoint's model. A LoRA "
-        "checkpoint gives OUT/adapter (PeftModel.from_pretrained) and, with --merge, OUT/merged.")
+        description="Write safetensors files (+ index), config and tokenizer from a sharded checkpoint, one output "
+        "file at a time, each read back and compared exactly with the shards; no process holds the whole model. A "
+        "LoRA checkpoint gives OUT/adapter (PeftModel.from_pretrained) and, with --merge, OUT/merged, each reloaded "
+        "and its logits compared with the checkpoint's model.")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoints/step-N dir (or a run dir: its newest)")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file, as save_pretrained's max_shard_size (default 5GB)")
     export.add_argument("--merge", action="store_true",
                         help="LoRA checkpoints: also write OUT/merged, the base with the adapter merged in")
     export.set_defaults(func=run_export)

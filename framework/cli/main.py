@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
+import os
 import sys
 from typing import List, NoReturn, Optional
 
@@ -58,8 +60,20 @@ def leave(code: int) -> NoReturn:
     every object torch, Lightning and transformers created, several times: about 1.2 s of a 2-core machine
     per process, on every rank of every run. Frozen, those objects are left to the process's exit (atexit
     handlers still run; what CPython never promises, finalizers of objects alive at exit, is all that is
-    skipped)."""
+    skipped).
+
+    Once torch is loaded the process ends as multiprocessing's children do: exit handlers, flushed streams,
+    ``os._exit``. gloo's threads (its run loops and TCP loop, rank 0's TCPStore server) outlive
+    ``destroy_process_group``, because torch keeps the group referenced (DeviceMesh's registry, DTensor's
+    caches, DCP); interpreter finalization and the C++ static destructors running beside them now and then
+    abort the rank ("terminate called without an active exception", pytorch#190489), and under srun one
+    aborted task fails the whole job."""
     gc.freeze()
+    if "torch" in sys.modules:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 

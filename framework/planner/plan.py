@@ -21,6 +21,7 @@ from shardlight.planner.measured import StepModel, measure_rows, measure_tp_cont
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
 from shardlight.recipe import RecipeConfig
+from shardlight.strategy.sharded_load import load_host_bytes
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,11 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
     described = spec.to_json()
     described["flops_per_token"] = spec.flops_per_token(work.seq_len)
     described["compute_bytes"] = work.compute_bytes
+    described["largest_tensor_params"] = max((n for unit in spec.unit_numels for n in unit), default=0)
     if model is not None and memory["source"] == "fake-step" and tp_rows:
         # TP rows are measured only where they contend (the rule would pick them on their analytic peak).
         tp_info["measured"] = measure_tp_contenders(rows, tp_rows, model, cluster, work)
-    return {
+    plan = {
         "recommendation": recommend(rows, cluster, described, tp_rows=tp_rows),
         "strategies": rows,
         "tensor_parallel": tp_rows,
@@ -100,6 +102,29 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
         "time_source": "calibration" if calibration is not None else "table defaults",
         **({"calibration": calibration} if calibration is not None else {}),
     }
+    plan["load"] = host_load(plan, cluster)
+    return plan
+
+
+def host_load(plan: Dict[str, Any], cluster: Cluster) -> Dict[str, Any]:
+    """Host RAM per node to load the pretrained weights under the recommendation (``load_host_bytes``, what
+    preflight checks): sharded (the default) and with every rank reading the whole model."""
+    rec, model, work = plan["recommendation"], plan["model"], plan["workload"]
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(work["param_dtype"], 4)
+    total = model["total_params"] * width
+    mesh, tp = rec.get("mesh_shape"), rec.get("tp_size", 1)
+    if rec["sharding_strategy"] == "NO_SHARD":
+        shard_ranks = 1
+    else:
+        shard_ranks = (mesh[1] if mesh else cluster.world_size // tp) * tp
+    # FSDP1 reads a whole unit before it shards it; FSDP2 and TP read slices (the largest tensor at most).
+    fsdp1 = work["fsdp_version"] == 1 and tp == 1
+    largest = model["largest_unit_params"] if fsdp1 else model["largest_tensor_params"]
+    sharded = load_host_bytes(total, largest * width, shard_ranks, sharded=True, on_gpu=True)
+    whole = load_host_bytes(total, 0, 1, sharded=False, on_gpu=True)
+    per_node = cluster.gpus_per_node
+    return {"weights_bytes": total, "sharded_per_node_bytes": sharded * per_node,
+            "whole_per_node_bytes": whole * per_node, "host_memory_bytes": cluster.host_memory_bytes}
 
 
 def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: Optional[bool] = None,
@@ -126,6 +151,7 @@ def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: O
     plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"], tp_rows=tp_rows)
     plan["strategies"] = rows
     plan["tensor_parallel"] = tp_rows
+    plan["load"] = host_load(plan, cluster)
     return plan
 
 
@@ -228,6 +254,19 @@ def time_line(plan: Dict[str, Any]) -> str:
             f"{cal['host_overhead_s'] * 1e3:.3g} ms host time per step, measured collective latency and bandwidth")
 
 
+def load_line(plan: Dict[str, Any]) -> str:
+    load = plan["load"]
+    host = load["host_memory_bytes"]
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:.0f} GB" + (" (MORE THAN THE NODE HAS)" if n > host else "")
+
+    return (f"load: {load['weights_bytes'] / 1e9:.0f} GB of weights; host RAM per node "
+            f"{gb(load['sharded_per_node_bytes'])} reading each rank's shards (the default), "
+            f"{gb(load['whole_per_node_bytes'])} with "
+            f"fsdp.cpu_ram_efficient_loading=false (every rank the whole model); {host / 1e9:.0f} GB per node")
+
+
 def render(plan: Dict[str, Any]) -> str:
     """What ``shardlight plan`` prints: model, cluster, workload, the table, the recommendation and why."""
     rec, model, cluster = plan["recommendation"], plan["model"], plan["cluster"]
@@ -247,6 +286,7 @@ def render(plan: Dict[str, Any]) -> str:
         memory_line(plan.get("memory", {})),
         tp_line(plan),
         time_line(plan),
+        load_line(plan),
         "",
         format_table(plan["strategies"] + plan.get("tensor_parallel", [])),
         "",

@@ -414,6 +414,10 @@ class CheckpointConfig:
         default=2, metadata={"positive": True, "help": "Keep this many newest checkpoints (null: all)."}
     )
     save_last: bool = field(default=True, metadata={"help": "Also save when training ends."})
+    async_save: bool = field(default=False, metadata={"help": (
+        "Write checkpoints in the background (dcp.async_save): a step copies its shards to host memory and "
+        "training goes on while they are written; a save still running when the next is due, or at the end, "
+        "is waited for.")})
 
 
 @dataclass

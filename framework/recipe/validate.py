@@ -101,16 +101,22 @@ def validate(cfg: RecipeConfig) -> None:
 
 def max_shard_bytes(cfg: RecipeConfig) -> int:
     """``export.max_shard_size`` in bytes (one line naming the value when it is no size)."""
+    return parse_size(cfg.export.max_shard_size, "export.max_shard_size")
+
+
+def parse_size(value: Any, key: str) -> int:
+    """A size as ``save_pretrained``'s ``max_shard_size`` takes it (bytes, or 5GB, 500MB) → bytes; one line
+    naming ``key`` when it is none."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
-    value = str(cfg.export.max_shard_size).strip()
+    text = str(value).strip()
     try:
-        size = int(value) if value.isdigit() else parse_size_to_int(value)
+        size = int(text) if text.isdigit() else parse_size_to_int(text)
     except ValueError:
         size = 0
     if size <= 0:
-        raise ShardlightError(f"export.max_shard_size: '{cfg.export.max_shard_size}' is not a size; give a number "
-                              f"of bytes or one with a unit (e.g. 5GB, 500MB)")
+        raise ShardlightError(f"{key}: '{value}' is not a size; give a number of bytes or one with a unit "
+                              f"(e.g. 5GB, 500MB)")
     return size
 
 

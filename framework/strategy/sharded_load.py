@@ -154,3 +154,24 @@ def load_safetensors(root: nn.Module, folder: Path) -> int:
     loaded = {name: targets[file_key(name)] for name in state if file_key(name) in targets}
     set_model_state_dict(root, loaded, options=StateDictOptions(strict=False))
     return len(targets)
+
+
+def load_host_bytes(total: int, largest_read: int, shard_ranks: int, *, sharded: bool, on_gpu: bool) -> int:
+    """Host memory one rank needs to load a checkpoint of ``total`` bytes. Sharded: its share of the weights
+    (on CPU; on a GPU the shards live in device memory) plus what it reads whole before it shards it,
+    ``largest_read`` (one FSDP1 unit, or on FSDP2/TP the largest tensor). Not sharded (``from_pretrained`` on
+    every rank): the whole model, which it builds on the host before any device sees it."""
+    if not sharded:
+        return total
+    return largest_read + (0 if on_gpu else -(-total // shard_ranks))
+
+
+def largest_read_bytes(model: nn.Module, unit_classes: tuple = ()) -> int:
+    """What a rank of a sharded load reads whole at once: with ``unit_classes`` (FSDP1's wrapped blocks) the
+    largest unit, the root's own weights being one; without, the largest tensor. Tied weights count once."""
+    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    if not unit_classes:
+        return max(sizes.values(), default=0)
+    units = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model.modules()
+             if isinstance(m, unit_classes)]
+    return max(units + [sum(sizes.values()) - sum(units)])

@@ -97,6 +97,9 @@ def rank_main(rank, world, port, recipe, reference, out, export, overrides):
     with open(f"{out}.rank{rank}", "w") as fh:
         json.dump(result, fh)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not a normal exit: gloo's threads outlive the destroy (full_params_worker.py says why)
 
 
 if __name__ == "__main__":
