@@ -35,10 +35,11 @@ ATTENTION_IMPLEMENTATIONS = next(
     f.metadata["allowed"] for f in dataclasses.fields(ModelConfig) if f.name == "attn_implementation")
 
 
-def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
+def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Optional[List[str]] = None):
     """Everything that can be checked without training: bad input fails here with one clear line. ``ctx``: this
     process's facts (default: the process that starts the ranks on this machine, i.e. ``shardlight train``
-    typed in a shell). Returns the tokenizer."""
+    typed in a shell). ``notes`` receives what the caller should tell the user once the run is accepted (the
+    host RAM of the load). Returns the tokenizer."""
     ctx = ctx or RunContext()
     if ctx.launcher == "local" and not _uses_gpu(cfg):  # Lightning is about to spawn the ranks right here
         check_cpu_ranks(cfg)
@@ -80,7 +81,9 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None):
         classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
     if cfg.model.name_or_path is not None and ctx.rank == 0:
         # Compared with this machine's RAM only where the ranks run (not on a login node submitting a job).
-        check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
+        note = check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
+        if notes is not None:
+            notes.append(note)
     check_writable_dir(cache_root(cfg), "data.cache_dir")
     check_writable_dir(cfg.output_dir)  # last: the checks that write (probe files, removed again)
     return tokenizer
@@ -112,10 +115,10 @@ def check_cpu_ranks(cfg: RecipeConfig) -> None:
 
 
 def check_load_memory(cfg: RecipeConfig, resolved, skeleton: torch.nn.Module, classes: Optional[list],
-                      here: bool = True) -> None:
-    """Print the host RAM the pretrained load needs per node (``load_host_bytes``: each rank's share plus
-    what it reads whole), and (``here``: on the node the ranks run on) refuse a load that this node's RAM
-    cannot hold at all."""
+                      here: bool = True) -> str:
+    """The host RAM the pretrained load needs per node (``load_host_bytes``: each rank's share plus what it
+    reads whole), as a line to print; (``here``: on the node the ranks run on) refuses a load that this
+    node's RAM cannot hold at all."""
     import psutil
 
     t, dims = cfg.trainer, resolved.parallel
@@ -142,7 +145,7 @@ def check_load_memory(cfg: RecipeConfig, resolved, skeleton: torch.nn.Module, cl
     if here and node > memory.total:
         fix = "use more ranks" if sharded else "set fsdp.cpu_ram_efficient_loading: true (each rank reads its share)"
         raise ShardlightError(f"{line}, {_gb(memory.total)} in all: it cannot hold the load; {fix}")
-    print(f"shardlight: {line}", file=sys.stderr, flush=True)
+    return f"shardlight: {line}"
 
 
 def _gb(n: float) -> str:

@@ -123,7 +123,8 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     summary."""
     started = time.time()
     _quiet_known_noise()
-    tokenizer = preflight(cfg, ctx)
+    notes: List[str] = []
+    tokenizer = preflight(cfg, ctx, notes)
     run_dir = resolve_run_dir(ctx, cfg)
     if not ctx.resume_decided:  # before anything is written: a bad checkpoint is one clear error
         ctx = ctx.replace(resume_from=resolve_resume(cfg), resume_decided=True)
@@ -133,6 +134,8 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(to_yaml(cfg))
         print(plan_line(cfg, run_dir), flush=True)
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
 
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = build_module(cfg)

@@ -170,6 +170,15 @@ def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_r
     assert float((merged(input_ids=ids).logits - adapter).abs().max()) <= 1e-5
     assert float((live - adapter).abs().max()) <= 1e-6  # the final checkpoint is the model training ended with
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    # Without --merge the base is never loaded: the checkpoint's trainable weights are the adapter, the same
+    # tensors as the live export's.
+    alone = tmp_path / "alone"
+    result = run_cli(["export", summary["checkpoint"], "--out", str(alone)])
+    assert result.returncode == 0 and "the adapter alone" in result.stdout and ": OK" in result.stdout, result.stdout
+    written = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
+    live_file = load_file(str(Path(summary["model_dir"]) / "adapter_model.safetensors"))
+    assert written.keys() == live_file.keys() and all(torch.equal(written[k], live_file[k]) for k in written)
+    assert not (alone / "base").exists() and not (alone / "merged").exists()
 
 
 @pytest.mark.slow

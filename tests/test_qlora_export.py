@@ -5,8 +5,8 @@ the export loaded it, strictly, into a full-precision architecture.
 
 Truth by construction: a 4-bit base (the recipe's own quantization config) with LoRA adapters whose B matrices
 are set to known non-zero values (at init they are zero and would hide a wrong adapter); the export of its state
-must write exactly those adapters, and the adapter reloaded on the base quantized the same way must give the
-live model's logits. FSDP on CPU cannot run a 4-bit base (bitsandbytes' CPU state dict expects uint8 storage;
+must write exactly those adapters (and no base weight), and the adapter reloaded on the base quantized the same
+way must give the live model's logits. FSDP on CPU cannot run a 4-bit base (bitsandbytes' CPU state dict expects uint8 storage;
 the recipe stores in model.dtype for FSDP), so the state here is the single process's, with the same keys."""
 
 import pytest
@@ -19,7 +19,7 @@ pytest.importorskip("bitsandbytes")
 
 from shardlight.adapters import ADAPTER_NAME, quantization_config  # noqa: E402
 from shardlight.build.training_model import build_hf_config, build_training_model  # noqa: E402
-from shardlight.checkpoint.adapter_export import _peft_on_meta, export_adapter_state  # noqa: E402
+from shardlight.checkpoint.adapter_export import _peft_on_meta, write_referenced_adapter  # noqa: E402
 from shardlight.checkpoint.export import check_batch  # noqa: E402
 from shardlight.recipe import load_recipe  # noqa: E402
 
@@ -51,11 +51,10 @@ def test_qlora_export_writes_the_trained_adapters_and_reproduces_the_live_logits
     with pytest.raises(RuntimeError, match="absmax"):
         _peft_on_meta(live.config, live.peft_config[ADAPTER_NAME]).load_state_dict(weights, strict=True, assign=True)
 
-    report = export_adapter_state(state, config=live.config, peft_config=live.peft_config[ADAPTER_NAME],
-                                  tokenizer=None, out_dir=tmp_path / "model", reference_logits=reference,
-                                  base_model=str(base), quantization=quantization_config(cfg),
-                                  device=torch.device("cpu"))
-    assert report["max_abs_diff"] <= report["tolerance"], report
+    report = write_referenced_adapter(state, config=live.config, peft_config=live.peft_config[ADAPTER_NAME],
+                                      tokenizer=None, out_dir=tmp_path / "model", reference_logits=reference,
+                                      base_model=str(base))
+    assert report["ok"] and report["max_abs_diff"] == 0.0, report
     saved = load_file(str(tmp_path / "model" / "adapter" / "adapter_model.safetensors"))
     assert all("lora_" in key for key in saved)
     saved_b = {key: value for key, value in saved.items() if "lora_B" in key}
@@ -63,3 +62,13 @@ def test_qlora_export_writes_the_trained_adapters_and_reproduces_the_live_logits
     for name, value in trained.items():
         key = name.replace(f".{ADAPTER_NAME}.", ".")  # peft saves without the adapter name
         assert torch.equal(saved_b[key], value), key
+    # The adapter reloaded on the base quantized as the run quantized it gives the live model's logits.
+    from peft import PeftModel
+
+    quantized = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32,
+                                                     quantization_config=quantization_config(cfg), device_map={"": "cpu"})
+    reloaded = PeftModel.from_pretrained(quantized, str(tmp_path / "model" / "adapter")).eval()
+    check = load_file(report["check_file"])
+    with torch.no_grad():
+        logits = reloaded(input_ids=check["input_ids"]).logits.float()
+    assert float((logits - reference).abs().max()) <= 1e-5

@@ -1,16 +1,18 @@
 """Loading a real pretrained checkpoint (several safetensors shards, some hundreds of MB) into the shards:
 the loaded weights are exactly the checkpoint's, the logits are ``from_pretrained``'s, and no rank's memory
-grows by more than its share of the model (FSDP1, FSDP2, TP 2 x FSDP 2; 2 and 4 gloo ranks)."""
+grows by more than its share of the model (FSDP1, FSDP2, TP 2 x FSDP 2; 2 and 4 gloo ranks); and a fine-tune
+from it on 2 ranks exports a folder that transformers reloads."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_cli
 
 WORKER = REPO / "tests" / "workers" / "sharded_load_worker.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
@@ -62,9 +64,8 @@ def pretrained(tmp_path_factory):
     return root, recipe, model_bytes
 
 
-PATHS = {
+PATHS = {  # FSDP2 on 2 ranks: the fine-tune below
     "fsdp1-2": (2, ["fsdp.fsdp_version=1"]),
-    "fsdp2-2": (2, ["fsdp.fsdp_version=2"]),
     "fsdp2-4": (4, ["fsdp.fsdp_version=2", "trainer.allow_oversubscribe=true"]),
     "tp2xfsdp2-4": (4, ["fsdp.fsdp_version=2", "parallelism.tp_size=2", "trainer.allow_oversubscribe=true"]),
 }
@@ -100,3 +101,42 @@ def test_sharded_load_is_the_checkpoint_in_a_share_of_the_memory(pretrained, tmp
     export_growth = [r["export_rss_growth"] for r in ranks]
     print(f"{path}: export peak RSS over held per rank {[round(g / MB) for g in export_growth]} MB")
     assert max(export_growth) <= budget, (export_growth, budget)
+
+
+@pytest.mark.slow
+def test_a_fine_tune_from_the_checkpoint_exports_a_folder_transformers_reloads(pretrained, tmp_path):
+    """``shardlight train`` from ``model.name_or_path`` (the three safetensors files) on 2 gloo ranks, FSDP2:
+    one optimizer step at a learning rate too small to move any weight (1e-30 against weights of about 0.02,
+    far below fp32's resolution), so the trained model is the checkpoint. The export at the end, in 100 MB
+    files, reloads with ``from_pretrained`` to the checkpoint's tensors exactly, and the reloaded model's
+    logits are those the live sharded model gave (``export_check.safetensors``)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, recipe, _ = pretrained
+    summary_path = tmp_path / "summary.json"
+    result = run_cli(["train", str(recipe), f"output_dir={tmp_path / 'runs'}", "--summary-json", str(summary_path),
+                      "fsdp.fsdp_version=2", "trainer.max_steps=1", "trainer.micro_batch_size=1", "optim.lr=1e-30",
+                      "optim.warmup_steps=0", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
+                      "export.max_shard_size=100MB", "logging.wandb.enabled=false", "callbacks.comm.enabled=false",
+                      "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "into each rank's shards" in result.stderr + result.stdout
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 1 and summary["export_max_abs_diff"] == 0.0
+    model_dir = Path(summary["model_dir"])
+    assert len(list(model_dir.glob("model-*.safetensors"))) >= 4
+    reloaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    weights = reloaded.state_dict()
+    compared = 0
+    for file in sorted((root / "ckpt").glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                assert torch.equal(weights[key], f.get_tensor(key).float()), key
+                compared += 1
+    assert compared == 93
+    check = load_file(str(Path(summary["run_dir"]) / "export_check.safetensors"))
+    with torch.no_grad():
+        logits = reloaded(input_ids=check["input_ids"]).logits
+    assert float((logits - check["logits"]).abs().max()) <= 1e-5

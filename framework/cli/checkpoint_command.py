@@ -16,6 +16,10 @@ def run_export(args: argparse.Namespace) -> int:
     max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     report = export_checkpoint(Path(args.checkpoint), Path(args.out), merge=args.merge, max_shard_bytes=max_shard_bytes)
     verdict = "OK" if report["ok"] else "FAILED"
+    if report.get("read_back"):  # adapters on a referenced base: the trainable weights alone, read back
+        print(f"exported {report['checkpoint']} -> {report['adapter_dir']} (the adapter alone; its base is "
+              f"referenced); read back tensor by tensor: max |diff| = {report['max_abs_diff']:.3g}: {verdict}")
+        return 0 if report["ok"] else 1
     if "adapter_dir" in report:  # a PEFT checkpoint: the adapter and, with --merge, the merged model
         checked = f"adapter max |diff| = {report['adapter_max_abs_diff']:.3g}"
         if report["merged_dir"]:

@@ -1,6 +1,7 @@
 """`shardlight train ARGS` with instrumented_train's collective counters, also keeping the trained model's full
-state dict (gathered on rank 0 for the export) in $SHARDLIGHT_FULL_STATE, so a test can check every frozen
-base weight bitwise, not only the adapter the export writes. The run itself is a real gloo FSDP run."""
+state dict (gathered on rank 0 as the export begins, which itself gathers only the adapters) in
+$SHARDLIGHT_FULL_STATE, so a test can check every frozen base weight bitwise, not only the adapter the export
+writes. The run itself is a real gloo FSDP run."""
 
 import functools
 import os
@@ -13,21 +14,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import instrumented_train  # noqa: E402  (installs the counters)
 from safetensors.torch import save_file  # noqa: E402
 
-from shardlight.strategy import ShardlightFSDPStrategy  # noqa: E402
+import shardlight.checkpoint.adapter_export as adapter_export  # noqa: E402
 
-_full_state_dict = ShardlightFSDPStrategy.full_state_dict
+_live_reference_logits = adapter_export.live_reference_logits
 
 
-@functools.wraps(_full_state_dict)
-def _keeping_full_state_dict(self):
-    state = _full_state_dict(self)
+@functools.wraps(_live_reference_logits)
+def _keeping_full_state(trainer, module):
+    state = trainer.strategy.full_state_dict()  # every rank: a collective
     out = os.environ.get("SHARDLIGHT_FULL_STATE")
     if out and state:  # rank 0 only holds it
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, out)
-    return state
+    return _live_reference_logits(trainer, module)
 
 
-ShardlightFSDPStrategy.full_state_dict = _keeping_full_state_dict
+adapter_export.live_reference_logits = _keeping_full_state
 
 if __name__ == "__main__":
     import json
