@@ -191,7 +191,7 @@ class CheckpointCallback(Callback):
 
     # -- save
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not self.async_save:
+        if not self.async_save or stage != "fit":  # saves happen in fit only
             return
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlight-ckpt")
         if distributed():
