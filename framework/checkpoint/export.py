@@ -1,34 +1,29 @@
-"""Hugging Face export, written once: weights → ``save_pretrained`` dir + tokenizer, reloaded and checked.
+"""Hugging Face export of a full model, in which no process holds the whole model; every file written is
+read back and compared exactly.
 
-:func:`export_and_verify` does the work; its two callers differ only in where the weights and the
-reference logits come from:
-
-- :func:`export_full_live` (end of training, every rank): streamed from the shards, no process holds the
-  whole model (``safetensors_folder``), verified by reading each rank's slices back exactly; the live model's
-  logits on the check batch go to ``run_dir/export_check.safetensors``.
-- :func:`export_full_checkpoint` (``shardlight export``, one process): the architecture from the checkpoint's
-  ``hf/`` config with DCP reading the model shards straight into it (the optimizer state is never read),
-  and that model's logits → ``OUT/``, check batch in ``OUT/export_check.safetensors``, report in
+- :func:`export_full_live` (end of training, every rank): from the shards (``safetensors_folder``: each rank
+  writes its slices, the files are assembled one tensor at a time, each rank reads its slices back); the live
+  model's logits on the check batch go to ``run_dir/export_check.safetensors`` for whoever reloads it.
+- :func:`export_full_checkpoint` (``shardlight export``, one process): one output file at a time, its tensors
+  read from the checkpoint's shards by DCP (the optimizer state is never read); report in
   ``OUT/export_report.json``.
 
-The check: fp32 logits on one fixed batch, reference vs the directory reloaded with
-``AutoModelForCausalLM.from_pretrained``; ``max |diff|`` must be within ``EXPORT_TOLERANCE``. Weights with a
-non-finite value are never exported: one error naming the first such parameter, before anything is written.
+Weights with a non-finite value are never exported: one error naming the first such weight, before anything
+is written (``safetensors_folder.refuse_nonfinite``). PEFT runs: ``adapter_export``.
 """
-
 from __future__ import annotations
 
 import copy
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, TypedDict
+from typing import Any, Dict, List, Mapping, TypedDict
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.callbacks.peer_failure import peer_failures_reported
 from shardlight.checkpoint.safetensors_folder import (
@@ -57,14 +52,6 @@ EXPORT_TOLERANCE = 1e-5
 CHECK_SEED, CHECK_SHAPE = 1234, (2, 32)
 
 
-class ExportReport(TypedDict):
-    out: str
-    check_file: str
-    max_abs_diff: float
-    tolerance: float
-    ok: bool
-
-
 class CheckpointExportReport(TypedDict):
     """``shardlight export`` of a full model: the files are read back and compared exactly."""
     checkpoint: str
@@ -85,44 +72,6 @@ def _hf_weights(module_state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Ten
     return {k[len(MODULE_PREFIX):]: v for k, v in module_state.items() if k.startswith(MODULE_PREFIX)}
 
 
-@torch.no_grad()
-def export_and_verify(module_state: Dict[str, torch.Tensor], config: PretrainedConfig, tokenizer: Optional[Any],
-                      out_dir: Path, reference_logits: torch.Tensor, check_file: Optional[Path] = None,
-                      trust_remote_code: bool = False) -> ExportReport:
-    """Write ``save_pretrained`` safetensors (in the weights' dtype) + tokenizer to ``out_dir``, save the check
-    batch with ``reference_logits`` (the source's logits on :func:`check_batch`) to ``check_file``
-    (default ``out_dir/export_check.safetensors``), reload the dir in fp32 and compare.
-
-    ``module_state`` is the LightningModule's state dict (HF weights under ``model.``); it is emptied once
-    saved, so only one full copy of the weights is held at a time (the reloaded model comes next)."""
-    out_dir = Path(out_dir)
-    check_file = Path(check_file) if check_file is not None else out_dir / EXPORT_CHECK_FILE
-    weights = _hf_weights(module_state)
-    refuse_nonfinite(weights, across_ranks=False)
-    with torch.device("meta"):  # no second copy: the weights are assigned, not copied
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    model.load_state_dict(weights, strict=False, assign=True)
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ShardlightError(f"export is missing weights: {', '.join(missing[:5])}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    del model
-    module_state.clear()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    input_ids = check_batch(config.vocab_size)
-    reference = reference_logits.detach().float().cpu().contiguous()
-    save_file({"input_ids": input_ids, "logits": reference}, str(check_file))
-    reloaded = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32,
-                                                    trust_remote_code=trust_remote_code).eval()
-    diff = float((reloaded(input_ids=input_ids).logits.float() - reference).abs().max())
-    return {"out": str(out_dir), "check_file": str(check_file), "max_abs_diff": diff,
-            "tolerance": EXPORT_TOLERANCE, "ok": diff <= EXPORT_TOLERANCE}
-
-
-# ---------------------------------------------------------------- from the live run
 def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
                      max_shard_bytes: int) -> Dict[str, Any]:
     """The trained model → ``run_dir/model/`` from the shards (``safetensors_folder``: each rank writes its
@@ -209,22 +158,6 @@ def reference_and_full_state(trainer: Any, module: Any) -> tuple:
 
 
 # ---------------------------------------------------------------- from a checkpoint
-def load_checkpoint_model(checkpoint: Path) -> nn.Module:
-    """The HF model of a verified checkpoint, weights read by DCP in place (one full copy, optimizer untouched)."""
-    verify_checkpoint(checkpoint)
-    if not (checkpoint / HF_DIR / "config.json").is_file():
-        raise ShardlightError(f"checkpoint {checkpoint} has no {HF_DIR}/config.json")
-    config = AutoConfig.from_pretrained(str(checkpoint / HF_DIR))
-    saved = read_dcp_metadata(checkpoint).state_dict_metadata
-    dtypes = [m.properties.dtype for k, m in saved.items() if k.startswith(WEIGHT_PREFIX) and hasattr(m, "properties")]
-    if not dtypes:
-        raise ShardlightError(f"checkpoint {checkpoint} holds no model weights under '{WEIGHT_PREFIX}'")
-    model = AutoModelForCausalLM.from_config(config, dtype=dtypes[0])
-    load_saved_weights(model, checkpoint, saved, [n for n, _ in model.named_parameters()])
-    model.tie_weights()
-    return model.eval()
-
-
 def load_saved_weights(model: torch.nn.Module, checkpoint: Path, saved: Dict[str, Any], wanted: List[str]) -> None:
     """Read the checkpoint's weights into ``model`` in place (one process, no ranks): every parameter named in
     ``wanted`` must be saved; whatever else of the model's state the checkpoint holds is read too."""

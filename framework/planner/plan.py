@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from shardlight.errors import ShardlightError
 from shardlight.planner.calibration import apply_to_rows, check_matches
 from shardlight.planner.estimate import estimate_all, estimate_tp, tp_skipped
-from shardlight.planner.inputs import Cluster, Workload, make_cluster
+from shardlight.planner.inputs import DTYPE_BYTES, Cluster, Workload, make_cluster
 from shardlight.planner.measured import StepModel, measure_rows, measure_tp_contenders
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
 from shardlight.planner.recommend import format_table, recommend
@@ -110,7 +110,7 @@ def host_load(plan: Dict[str, Any], cluster: Cluster) -> Dict[str, Any]:
     """Host RAM per node to load the pretrained weights under the recommendation (``load_host_bytes``, what
     preflight checks): sharded (the default) and with every rank reading the whole model."""
     rec, model, work = plan["recommendation"], plan["model"], plan["workload"]
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(work["param_dtype"], 4)
+    width = DTYPE_BYTES[work["param_dtype"]]  # the weights as the ranks load them
     total = model["total_params"] * width
     mesh, tp = rec.get("mesh_shape"), rec.get("tp_size", 1)
     if rec["sharding_strategy"] == "NO_SHARD":
