@@ -247,11 +247,11 @@ def _peft_config(checkpoint: Path) -> Any:
     return LoraConfig.from_pretrained(str(hf))
 
 
-def _trainable_from_checkpoint(checkpoint: Path) -> Dict[str, torch.Tensor]:
-    """The trainable weights of a verified PEFT checkpoint that references its base, read by DCP, under the
-    LightningModule's names (what the live export gathers)."""
+def _trainable_from_checkpoint(checkpoint: Path, config: Any, peft_config: Any) -> Dict[str, torch.Tensor]:
+    """The trainable weights of a PEFT checkpoint that references its base (verified here), read by DCP,
+    under the LightningModule's names (what the live export gathers)."""
     verify_checkpoint(checkpoint)
-    model = _peft_on_meta(AutoConfig.from_pretrained(str(checkpoint / HF_DIR)), _peft_config(checkpoint))
+    model = _peft_on_meta(config, peft_config)
     saved = read_dcp_metadata(checkpoint).state_dict_metadata
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n in trainable if WEIGHT_PREFIX + n not in saved]
@@ -306,10 +306,10 @@ def export_checkpoint(path: Path, out_dir: Path, merge: bool = False,
     tokenizer = AutoTokenizer.from_pretrained(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
     if not merge and not peft_meta["base_in_checkpoint"]:
         # The checkpoint holds the trainable weights alone: they are the adapter; the base is never loaded.
+        config, peft_config = AutoConfig.from_pretrained(str(hf)), _peft_config(checkpoint)
         report = {"checkpoint": str(checkpoint), **write_referenced_adapter(
-            _trainable_from_checkpoint(checkpoint), config=AutoConfig.from_pretrained(str(hf)),
-            peft_config=_peft_config(checkpoint), tokenizer=tokenizer, out_dir=out_dir, reference_logits=None,
-            base_model=peft_meta["base_model"])}
+            _trainable_from_checkpoint(checkpoint, config, peft_config), config=config, peft_config=peft_config,
+            tokenizer=tokenizer, out_dir=out_dir, reference_logits=None, base_model=peft_meta["base_model"])}
         write_json(out_dir / EXPORT_REPORT_FILE, report)
         return report
     model = load_adapter_checkpoint_model(checkpoint)

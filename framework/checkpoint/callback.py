@@ -103,7 +103,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextmanager
-def _quiet_state_dict_warnings() -> Iterator[None]:
+def quiet_state_dict_warnings() -> Iterator[None]:
     """torch's own deprecation chatter from inside FSDP1's sharded state dict, once per tensor."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -246,7 +246,7 @@ class CheckpointCallback(Callback):
         """One checkpoint of this step, on every rank (it is collective); returns its final dir (with
         ``async_save``, the dir it will have once the background write commits it)."""
         self.wait()  # one save in flight at a time: .tmp-step-N dirs and the writer's group are not shared
-        with _quiet_state_dict_warnings():
+        with quiet_state_dict_warnings():
             return self._save(trainer, pl_module)
 
     def _save(self, trainer, pl_module) -> Path:
@@ -369,7 +369,7 @@ class CheckpointCallback(Callback):
         if self.resume_from is None:
             return
         path, rank = self.resume_from, trainer.global_rank
-        with _quiet_state_dict_warnings():
+        with quiet_state_dict_warnings():
             load_sharded(trainer.strategy.model, trainer.optimizers, path)  # frozen base: see load_sharded
         saved = sorted(path.glob("extra_rank*.pt"), key=lambda p: int(p.stem[len("extra_rank"):]))
         own = path / f"extra_rank{rank}.pt"

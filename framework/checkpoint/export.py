@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, TypedDict
 
@@ -26,11 +25,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.callbacks.peer_failure import peer_failures_reported
+from shardlight.checkpoint.callback import quiet_state_dict_warnings
 from shardlight.checkpoint.safetensors_folder import (
     INDEX_FILE,
     SINGLE_FILE,
     refuse_nonfinite,
     shard_plan,
+    tensor_bytes,
     verify_safetensors_folder,
     write_safetensors_folder,
 )
@@ -84,9 +85,7 @@ def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
     run_dir = Path(run_dir)
     model_dir = run_dir / MODEL_DIR
     reference = live_reference_logits(trainer, module)
-    with peer_failures_reported(trainer.global_rank), warnings.catch_warnings():
-        # FSDP1's sharded state is ShardedTensors, each access of which warns of their deprecation.
-        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+    with peer_failures_reported(trainer.global_rank), quiet_state_dict_warnings():
         state = sharded_hf_state(trainer.strategy.model)
         refuse_nonfinite(state)
         write_safetensors_folder(state, model_dir, max_shard_bytes)
@@ -222,7 +221,7 @@ def export_full_checkpoint(path: Path, out_dir: Path,
             weight_map.update(dict.fromkeys(part, file))
             del part
         if count > 1:
-            total = sum(_bytes(t) for t in shapes.values())
+            total = sum(tensor_bytes(t) for t in shapes.values())
             write_json(partial / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
         config.dtype = next(t.dtype for t in shapes.values() if t.dtype.is_floating_point)
         config.save_pretrained(str(partial))
@@ -242,7 +241,3 @@ def export_full_checkpoint(path: Path, out_dir: Path,
                                       "max_abs_diff": worst, "tolerance": 0.0, "ok": worst == 0.0}
     write_json(out_dir / EXPORT_REPORT_FILE, report)
     return report
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

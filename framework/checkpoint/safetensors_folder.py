@@ -39,7 +39,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _global_bytes(tensor: torch.Tensor) -> int:
+def tensor_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.size()) * tensor.dtype.itemsize
 
 
@@ -68,7 +68,7 @@ def shard_plan(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> Dict[
     plan: Dict[str, int] = {}
     index, used = 1, 0
     for name, tensor in state.items():
-        size = _global_bytes(tensor)
+        size = tensor_bytes(tensor)
         if used and used + size > max_shard_bytes:
             index, used = index + 1, 0
         plan[name] = index
@@ -129,7 +129,7 @@ def verify_safetensors_folder(state: Mapping[str, torch.Tensor], out_dir: Path) 
     names = list(state)
     for i, name in enumerate(names):
         batch[name] = state[name]
-        if i + 1 < len(names) and sum(_global_bytes(t) for t in batch.values()) < VERIFY_BATCH_BYTES:
+        if i + 1 < len(names) and sum(tensor_bytes(t) for t in batch.values()) < VERIFY_BATCH_BYTES:
             continue
         read = {n: _empty_like(t) for n, t in batch.items()}
         dcp.load(read, no_dist=not _distributed(), storage_reader=HuggingFaceStorageReader(str(out_dir)))
