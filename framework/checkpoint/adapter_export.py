@@ -1,21 +1,22 @@
-"""Export of a PEFT (LoRA) run: an adapter directory ``PeftModel.from_pretrained`` loads and, with ``merge``,
-the merged full model (``merge_and_unload``, ``save_pretrained`` safetensors).
+"""Export of a PEFT (LoRA) run, in which no process holds the whole model: peft's adapter folder
+(``PeftModel.from_pretrained`` loads it) and, with ``merge``, the merged full model.
 
-- The end of a run on a pretrained base (``write_referenced_adapter``): only the trainable weights are
-  gathered; the adapter file is read back and compared exactly, and loaded into the architecture on the meta
-  device. No process holds the base.
-- A run whose base exists only in the run (inline ``model.config``), and ``shardlight export`` of a PEFT
-  checkpoint (``export_adapter_and_verify``): the model is built in one process, the adapter (and the merged
-  model) reloaded in fp32 and its logits on the fixed check batch compared with the trained model's;
-  ``max |diff|`` must be within ``EXPORT_TOLERANCE``.
+- The adapter (``write_referenced_adapter``): only the trainable weights are gathered (from the live shards, or
+  read from a checkpoint); the file is read back and compared exactly, and loaded into the architecture on the
+  meta device, where no adapter may be missing or unexpected.
+- ``base/``, when the base cannot be referenced (an inline ``model.config`` exists only in the run): the frozen
+  weights, written as a full model's are (live: from the shards; from a checkpoint: one file at a time).
+- ``merged/`` (``shardlight export --merge``): one output file at a time, each wrapped layer merged by peft's
+  own ``merge`` on that layer alone (its base weight and its adapters), so the result is ``merge_and_unload``'s
+  bit for bit without the model ever being whole.
 
 Layout of an export dir ``OUT/`` (the live one is ``run_dir/model/``)::
 
     adapter/     adapter_config.json + adapter_model.safetensors (+ tokenizer); its base_model_name_or_path
                  names the frozen base: the pretrained model.name_or_path, or base/ below
-    base/        only when the base cannot be referenced (an inline model.config exists only in the run)
+    base/        only when the base cannot be referenced
     merged/      with merge: the full model, base + adapter merged
-    export_check.safetensors, export_report.json
+    export_check.safetensors (the live model's logits on the check batch), export_report.json
 
 ``export_live`` and ``export_checkpoint`` here are the package's entry points: they hand a full (non-PEFT)
 model to ``export``'s functions of the same names, unchanged.
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,21 +38,26 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardlight.adapters import ADAPTER_NAME, base_is_referenced, is_adapter_model
 from shardlight.callbacks.peer_failure import peer_failures_reported
+from shardlight.checkpoint.callback import quiet_state_dict_warnings
 from shardlight.checkpoint.export import (
     DEFAULT_MAX_SHARD_BYTES,
     EXPORT_CHECK_FILE,
     EXPORT_REPORT_FILE,
-    EXPORT_TOLERANCE,
     MODEL_DIR,
     _hf_weights,
     check_batch,
     export_full_checkpoint,
     export_full_live,
     live_reference_logits,
-    load_saved_weights,
-    reference_and_full_state,
+    write_hf_extras,
 )
-from shardlight.checkpoint.safetensors_folder import refuse_nonfinite
+from shardlight.checkpoint.safetensors_folder import (
+    refuse_nonfinite,
+    staged_folder,
+    verify_safetensors_folder,
+    write_file_by_file,
+    write_safetensors_folder,
+)
 from shardlight.checkpoint.store import (
     HF_DIR,
     META,
@@ -62,57 +69,16 @@ from shardlight.checkpoint.store import (
 )
 from shardlight.errors import ShardlightError
 from shardlight.files import share_with_group, write_json
+from shardlight.strategy.sharded_load import checkpoint_keys, file_key
 
 ADAPTER_DIR, BASE_DIR, MERGED_DIR = "adapter", "base", "merged"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Where peft keeps a base tensor it wraps: a layer with adapters, a modules_to_save module's frozen original.
+_WRAPPED, _ORIGINAL, _TRAINED_COPY = ".base_layer.", ".original_module.", ".modules_to_save.default."
 
-
-def _max_abs_diff(model: torch.nn.Module, input_ids: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((model(input_ids=input_ids).logits.float().cpu() - reference).abs().max())
-
-
-@torch.no_grad()
-def export_adapter_and_verify(model: Any, tokenizer: Optional[Any], out_dir: Path, reference_logits: torch.Tensor,
-                              *, base_model: Optional[str], merge: bool) -> Dict[str, Any]:
-    """``model``: the trained ``PeftModel`` with real weights, in one process (it is consumed: the base copy or
-    the merge may change it). ``base_model``: the pretrained base to reference, or None to write ``base/``.
-    Returns the report (``max_abs_diff``: the worse of the adapter's and the merged model's)."""
-    from peft import PeftModel
-
-    refuse_nonfinite(model.state_dict(), across_ranks=False)
-    out_dir = Path(out_dir)
-    adapter_dir, base_dir, merged_dir = out_dir / ADAPTER_DIR, out_dir / BASE_DIR, out_dir / MERGED_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if base_model is None:
-        # unload() strips the adapters from a copy; the copy's modules_to_save keep their trained values,
-        # which the adapter overrides again on load anyway.
-        copy.deepcopy(model).unload().save_pretrained(str(base_dir))
-    model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_model or str(base_dir.resolve())
-    model.save_pretrained(str(adapter_dir))
-    del model
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(adapter_dir))
-    input_ids = check_batch(reference_logits.shape[-1])
-    reference = reference_logits.detach().float().cpu().contiguous()
-    check_file = out_dir / EXPORT_CHECK_FILE
-    save_file({"input_ids": input_ids, "logits": reference}, str(check_file))
-
-    base = AutoModelForCausalLM.from_pretrained(base_model or str(base_dir), dtype=torch.float32)
-    reloaded = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    report: Dict[str, Any] = {"out": str(out_dir), "adapter_dir": str(adapter_dir), "check_file": str(check_file),
-                              "adapter_max_abs_diff": _max_abs_diff(reloaded, input_ids.to(base.device), reference),
-                              "merged_dir": None, "merged_max_abs_diff": None, "tolerance": EXPORT_TOLERANCE}
-    if merge:
-        reloaded.merge_and_unload().save_pretrained(str(merged_dir))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(merged_dir))
-        del reloaded, base
-        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
-        report.update(merged_dir=str(merged_dir), merged_max_abs_diff=_max_abs_diff(merged, input_ids, reference))
-    diffs = [d for d in (report["adapter_max_abs_diff"], report["merged_max_abs_diff"]) if d is not None]
-    report.update(max_abs_diff=max(diffs), ok=max(diffs) <= EXPORT_TOLERANCE)
-    return report
+Tensors = Dict[str, torch.Tensor]
+Reader = Callable[[List[str]], Tensors]  # read(names) -> those tensors
 
 
 def _peft_on_meta(config: Any, peft_config: Any) -> Any:
@@ -124,7 +90,14 @@ def _peft_on_meta(config: Any, peft_config: Any) -> Any:
         return get_peft_model(base, copy.deepcopy(peft_config))
 
 
-def adapter_weights(model: Any, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def frozen_names(model: Any) -> Dict[str, str]:
+    """The base model's weight names (of tied weights the first, as ``save_pretrained`` writes them), each
+    with the ``PeftModel``'s name of that frozen tensor (a wrapped layer's ``base_layer``, a
+    ``modules_to_save`` module's ``original_module``), in the model's order."""
+    return {file_key(name): name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def adapter_weights(model: Any, weights: Tensors) -> Tensors:
     """Of a gathered PEFT state dict, the entries of ``model``'s trainable parameters (the adapters and
     ``modules_to_save``: what the adapter file holds). For a quantized base (QLoRA) they are all the export
     takes: the base's gathered entries are bitsandbytes' packed 4-bit storage and quantization state
@@ -137,20 +110,9 @@ def adapter_weights(model: Any, weights: Dict[str, torch.Tensor]) -> Dict[str, t
     return {name: weights[name] for name in trainable}
 
 
-def export_adapter_state(state: Dict[str, torch.Tensor], *, config: Any, peft_config: Any, tokenizer: Optional[Any],
-                         out_dir: Path, reference_logits: torch.Tensor) -> Dict[str, Any]:
-    """A gathered PEFT LightningModule state dict of a run whose base exists only in the run (an inline
-    ``model.config``; emptied here) → ``out_dir/adapter`` and ``out_dir/base``, verified by
-    ``export_adapter_and_verify``."""
-    model = _peft_on_meta(config, peft_config)
-    model.load_state_dict(_hf_weights(state), strict=True, assign=True)
-    state.clear()
-    return export_adapter_and_verify(model, tokenizer, out_dir, reference_logits, base_model=None, merge=False)
-
-
 @torch.no_grad()
-def write_referenced_adapter(state: Dict[str, torch.Tensor], *, config: Any, peft_config: Any,
-                             tokenizer: Optional[Any], out_dir: Path, reference_logits: Optional[torch.Tensor],
+def write_referenced_adapter(state: Tensors, *, config: Any, peft_config: Any, tokenizer: Optional[Any],
+                             out_dir: Path, reference_logits: Optional[torch.Tensor],
                              base_model: str) -> Dict[str, Any]:
     """The trainable weights of a gathered PEFT state dict (any other entry, such as a 4-bit base's packed
     storage, is left alone) → peft's adapter folder ``out_dir/adapter`` naming ``base_model``, without any base
@@ -190,45 +152,54 @@ def write_referenced_adapter(state: Dict[str, torch.Tensor], *, config: Any, pef
         raise ShardlightError(f"the adapter does not load into the model: {', '.join(wrong[:5])}")
     share_with_group(out_dir)
     return {"out": str(out_dir), "adapter_dir": str(adapter_dir), "check_file": check_file and str(check_file),
-            "adapter_max_abs_diff": diff, "merged_dir": None, "merged_max_abs_diff": None, "read_back": True,
-            "max_abs_diff": diff, "tolerance": 0.0, "ok": diff == 0.0}
+            "base_model": base_model, "max_abs_diff": diff}
 
 
 # ---------------------------------------------------------------- from the live run
 def export_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path, max_shard_bytes: int) -> Dict[str, Any]:
     """The trained model → ``run_dir/model/`` (``export.export_full_live``, from the shards, in files of at most
-    ``max_shard_bytes``); a PEFT model → ``run_dir/model/adapter`` (no merge: ``shardlight export --merge``
-    writes that), verified against the live sharded model's logits. Every rank must call it; elsewhere than
-    rank 0 ``export_max_abs_diff`` is None."""
+    ``max_shard_bytes``); a PEFT model → ``run_dir/model/adapter`` (and ``base/`` for an inline base; no merge:
+    ``shardlight export --merge`` writes that). Only the trainable weights are gathered, to rank 0; the frozen
+    base, which ``model.name_or_path`` names, never is. Every rank must call it; elsewhere than rank 0
+    ``export_max_abs_diff`` is None."""
     if not is_adapter_model(module.model):
         return export_full_live(trainer, module, tokenizer, run_dir, max_shard_bytes)
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
     out_dir = Path(run_dir) / MODEL_DIR
     config, peft_config = module.model.config, module.model.peft_config[ADAPTER_NAME]
-    if base_is_referenced(module.cfg):
-        # Adapters on a pretrained base (a 70B's LoRA run): only the trainable weights are gathered, to rank 0;
-        # the frozen base, which model.name_or_path names, never is.
-        reference = live_reference_logits(trainer, module)
-        with peer_failures_reported(trainer.global_rank):
-            # Sharded first, frozen entries dropped, then gathered: a full state dict of FSDP1 would unshard
-            # the whole model before dropping the base.
-            from torch.distributed._state_dict_utils import _gather_state_dict
-
-            device = trainer.strategy.root_device
-            sharded = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(ignore_frozen_params=True))
-            state = _gather_state_dict(sharded, device=device, cpu_offload=device.type != "cpu", ranks_only=(0,))
-        if not trainer.is_global_zero:
-            return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
-        report = write_referenced_adapter(state, config=config, peft_config=peft_config, tokenizer=tokenizer,
-                                          out_dir=out_dir, reference_logits=reference,
-                                          base_model=module.cfg.model.name_or_path)
-        return {"model_dir": report["adapter_dir"], "export_max_abs_diff": report["max_abs_diff"]}
-    # An inline base exists only in this run: it is gathered and written to base/ beside the adapter.
-    reference, state = reference_and_full_state(trainer, module)
+    root, device = trainer.strategy.model, trainer.strategy.root_device
+    base_model, base_diff = module.cfg.model.name_or_path, 0.0
+    reference = live_reference_logits(trainer, module)
+    with peer_failures_reported(trainer.global_rank), quiet_state_dict_warnings():
+        if not base_is_referenced(module.cfg):
+            # An inline base exists only in this run: its frozen weights are written beside the adapter from
+            # the shards, as a full model's are.
+            frozen = frozen_names(_peft_on_meta(config, peft_config))
+            sharded = get_model_state_dict(root)
+            base = {name: sharded[MODULE_PREFIX + peft_name] for name, peft_name in frozen.items()}
+            refuse_nonfinite(base)
+            write_safetensors_folder(base, out_dir / BASE_DIR, max_shard_bytes)
+            if trainer.is_global_zero:
+                _base_config(config, base).save_pretrained(str(out_dir / BASE_DIR))
+            base_diff = verify_safetensors_folder(base, out_dir / BASE_DIR)
+            base_model = str((out_dir / BASE_DIR).resolve())
+            del sharded, base
+        # Sharded first, frozen entries dropped, then gathered: a full state dict of FSDP1 would unshard the
+        # whole model before dropping the base.
+        sharded = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
+        state = _gather_state_dict(sharded, device=device, cpu_offload=device.type != "cpu", ranks_only=(0,))
     if not trainer.is_global_zero:
         return {"model_dir": str(out_dir / ADAPTER_DIR), "export_max_abs_diff": None}
-    report = export_adapter_state(state, config=config, peft_config=peft_config, tokenizer=tokenizer,
-                                  out_dir=out_dir, reference_logits=reference)
-    return {"model_dir": report["adapter_dir"], "export_max_abs_diff": report["max_abs_diff"]}
+    report = write_referenced_adapter(state, config=config, peft_config=peft_config, tokenizer=tokenizer,
+                                      out_dir=out_dir, reference_logits=reference, base_model=base_model)
+    return {"model_dir": report["adapter_dir"], "export_max_abs_diff": max(report["max_abs_diff"], base_diff)}
+
+
+def _base_config(config: Any, weights: Tensors) -> Any:
+    base = copy.deepcopy(config)
+    base.dtype = next(t.dtype for t in weights.values() if t.dtype.is_floating_point)
+    return base
 
 
 # ---------------------------------------------------------------- from a checkpoint
@@ -247,77 +218,138 @@ def _peft_config(checkpoint: Path) -> Any:
     return LoraConfig.from_pretrained(str(hf))
 
 
-def _trainable_from_checkpoint(checkpoint: Path, config: Any, peft_config: Any) -> Dict[str, torch.Tensor]:
-    """The trainable weights of a PEFT checkpoint that references its base (verified here), read by DCP,
-    under the LightningModule's names (what the live export gathers)."""
-    verify_checkpoint(checkpoint)
-    model = _peft_on_meta(config, peft_config)
-    saved = read_dcp_metadata(checkpoint).state_dict_metadata
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    missing = [n for n in trainable if WEIGHT_PREFIX + n not in saved]
-    if missing:
-        raise ShardlightError(f"checkpoint {checkpoint} lacks adapter weights: {', '.join(missing[:5])}")
-    state = {WEIGHT_PREFIX + n: torch.empty(saved[WEIGHT_PREFIX + n].size,
-                                             dtype=saved[WEIGHT_PREFIX + n].properties.dtype) for n in trainable}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    return {MODULE_PREFIX + k[len(WEIGHT_PREFIX):]: v for k, v in state.items()}
+def _base_folder(name: str, checkpoint: Path) -> Path:
+    """The safetensors folder of the pretrained base a checkpoint references: a directory, or a hub id's
+    snapshot in the local cache (the run loaded it; an export downloads nothing)."""
+    folder: Optional[Path] = Path(name) if os.path.isdir(name) else None
+    if folder is None:
+        from huggingface_hub import snapshot_download
 
-
-def load_adapter_checkpoint_model(checkpoint: Path) -> Any:
-    """The ``PeftModel`` of a verified PEFT checkpoint: the base (loaded from its reference, or from the
-    checkpoint when it was saved there) and the trained weights read by DCP in place."""
-    from peft import get_peft_model
-
-    meta = verify_checkpoint(checkpoint)["peft"]
-    hf = checkpoint / HF_DIR
-    peft_config = _peft_config(checkpoint)
-    saved = read_dcp_metadata(checkpoint).state_dict_metadata
-    dtypes = [m.properties.dtype for k, m in saved.items() if k.startswith(WEIGHT_PREFIX) and hasattr(m, "properties")]
-    if not dtypes:
-        raise ShardlightError(f"checkpoint {checkpoint} holds no model weights under '{WEIGHT_PREFIX}'")
-    if meta["base_model"] is not None and not meta["base_in_checkpoint"]:
         try:
-            base = AutoModelForCausalLM.from_pretrained(meta["base_model"], dtype=dtypes[0])
-        except OSError as exc:
-            raise ShardlightError(f"checkpoint {checkpoint} references its frozen base {meta['base_model']}, "
-                                  f"which cannot be loaded: {str(exc).splitlines()[0]}") from None
-    else:
-        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf)), dtype=dtypes[0])
-    model = get_peft_model(base, peft_config)
-    wanted = [n for n, p in model.named_parameters() if p.requires_grad or meta["base_in_checkpoint"]]
-    load_saved_weights(model, checkpoint, saved, wanted)
-    base.tie_weights()
-    return model.eval()
+            folder = Path(snapshot_download(name, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+        except Exception:  # noqa: BLE001 - huggingface_hub raises several kinds for "not here"
+            raise ShardlightError(f"checkpoint {checkpoint} references its frozen base {name}, which is neither a "
+                                  f"directory nor in the Hugging Face cache") from None
+    if checkpoint_keys(folder) is None:
+        raise ShardlightError(f"checkpoint {checkpoint} references its frozen base {name}, which holds no "
+                              f"safetensors files")
+    return folder
+
+
+def _tensor_reader(checkpoint: Path, saved: Dict[str, Any], base: Optional[Path],
+                   dtype: torch.dtype) -> Reader:
+    """``read(names)``: a PEFT checkpoint's tensors by the ``PeftModel``'s names; what the checkpoint holds (the
+    trainable weights; the frozen base too when it was saved there) read by DCP, the rest from the referenced
+    base's safetensors in ``base``, in ``dtype`` (the run's: the base was loaded so)."""
+    from safetensors import safe_open
+
+    files = checkpoint_keys(base) if base is not None else {}
+
+    def read(names: List[str]) -> Tensors:
+        out = {n: torch.empty(saved[WEIGHT_PREFIX + n].size, dtype=saved[WEIGHT_PREFIX + n].properties.dtype)
+               for n in names if WEIGHT_PREFIX + n in saved}
+        if out:
+            dcp.load({WEIGHT_PREFIX + n: t for n, t in out.items()}, checkpoint_id=str(checkpoint), no_dist=True)
+        for name in names:
+            if name not in out:
+                key = file_key(name)
+                if key not in (files or {}):
+                    raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {name}")
+                with safe_open(str(base / files[key]), framework="pt") as f:
+                    out[name] = f.get_tensor(key).to(dtype)
+        return out
+
+    return read
+
+
+def _merged_maker(model: Any, frozen: Dict[str, str], read: Reader) -> Reader:
+    """``make(names)``: the merged model's tensors ``names`` (base names). A wrapped layer is merged by peft's own
+    ``merge`` on a copy of that layer alone, its base weight and adapters read into it; a ``modules_to_save``
+    module is its trained copy; anything else is the frozen base tensor."""
+
+    def source(name: str) -> str:
+        return frozen[name].replace(_ORIGINAL, _TRAINED_COPY)
+
+    def make(names: List[str]) -> Tensors:
+        layers = {frozen[n].split(_WRAPPED)[0] for n in names if _WRAPPED in frozen[n]}
+        wanted = [source(n) for n in names if _WRAPPED not in frozen[n]]
+        wanted += [f"{path}.{rel}" for path in sorted(layers)
+                   for rel, _ in model.get_submodule(path).named_parameters()]
+        values = read(wanted)
+        merged: Tensors = {}
+        for path in layers:
+            layer = copy.deepcopy(model.get_submodule(path))  # on meta: free; the copy gets the real weights
+            layer.load_state_dict({k[len(path) + 1:]: v for k, v in values.items() if k.startswith(path + ".")},
+                                  assign=True)
+            layer.merge(adapter_names=[ADAPTER_NAME])
+            merged.update({f"{path}{_WRAPPED}{leaf}": t.detach()
+                           for leaf, t in layer.get_base_layer().named_parameters()})
+        return {n: merged[frozen[n]] if _WRAPPED in frozen[n] else values[source(n)] for n in names}
+
+    return make
 
 
 @torch.no_grad()
 def export_checkpoint(path: Path, out_dir: Path, merge: bool = False,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Dict[str, Any]:
     """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a verified export; a full model as
-    ``export.export_full_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/merged`` with ``merge``). The report
-    is also written to ``OUT/export_report.json``; nothing is written when the checkpoint does not verify."""
+    ``export.export_full_checkpoint``, a PEFT one as ``OUT/adapter`` (+ ``OUT/base`` when the checkpoint holds
+    its base, + ``OUT/merged`` with ``merge``), every file read back and compared exactly, no more than one
+    output file in memory at a time. The report is also written to ``OUT/export_report.json``; nothing is
+    written when the checkpoint does not verify, or the export fails."""
     checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
     peft_meta = adapter_metadata(checkpoint)
     if peft_meta is None:
         if merge:
             raise ShardlightError(f"--merge merges LoRA adapters; checkpoint {checkpoint} holds a full model")
         return export_full_checkpoint(checkpoint, out_dir, max_shard_bytes)
+    verify_checkpoint(checkpoint)
     hf = checkpoint / HF_DIR
     tokenizer = AutoTokenizer.from_pretrained(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
-    if not merge and not peft_meta["base_in_checkpoint"]:
-        # The checkpoint holds the trainable weights alone: they are the adapter; the base is never loaded.
-        config, peft_config = AutoConfig.from_pretrained(str(hf)), _peft_config(checkpoint)
-        report = {"checkpoint": str(checkpoint), **write_referenced_adapter(
-            _trainable_from_checkpoint(checkpoint, config, peft_config), config=config, peft_config=peft_config,
-            tokenizer=tokenizer, out_dir=out_dir, reference_logits=None, base_model=peft_meta["base_model"])}
-        write_json(out_dir / EXPORT_REPORT_FILE, report)
-        return report
-    model = load_adapter_checkpoint_model(checkpoint)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    reference = model.float()(input_ids=check_batch(model.config.vocab_size)).logits
-    model.to(dtype)  # the export keeps the run's weight dtype (the fp32 reference upcast the same values)
-    base_model = None if peft_meta["base_in_checkpoint"] else peft_meta["base_model"]
-    report = {"checkpoint": str(checkpoint),
-              **export_adapter_and_verify(model, tokenizer, out_dir, reference, base_model=base_model, merge=merge)}
+    config, peft_config = AutoConfig.from_pretrained(str(hf)), _peft_config(checkpoint)
+    model = _peft_on_meta(config, peft_config)
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in trainable if WEIGHT_PREFIX + n not in saved]
+    if missing:
+        raise ShardlightError(f"checkpoint {checkpoint} lacks adapter weights: {', '.join(missing[:5])}")
+    dtype = saved[WEIGHT_PREFIX + trainable[0]].properties.dtype
+    in_checkpoint = peft_meta["base_in_checkpoint"]
+    read = _tensor_reader(checkpoint, saved, None if in_checkpoint or not merge else
+                          _base_folder(peft_meta["base_model"], checkpoint), dtype)
+    frozen = frozen_names(model)
+
+    def shape(peft_name: str) -> torch.Tensor:
+        kept = saved.get(WEIGHT_PREFIX + peft_name)
+        return torch.empty(model.get_parameter(peft_name).shape, device="meta",
+                           dtype=kept.properties.dtype if kept is not None else dtype)
+
+    report: Dict[str, Any] = {"checkpoint": str(checkpoint), "out": str(out_dir),
+                              "adapter_dir": str(out_dir / ADAPTER_DIR), "base_dir": None, "merged_dir": None,
+                              "files": {}}
+    worst = 0.0
+    base_model = peft_meta["base_model"]
+    with staged_folder(out_dir) as partial:
+        if in_checkpoint:  # an inline base exists only in the checkpoint: written beside the adapter
+            shapes = {n: shape(p) for n, p in frozen.items()}
+            report["files"]["base"], diff = write_file_by_file(
+                partial / BASE_DIR, shapes, lambda names: {n: read([frozen[n]])[frozen[n]] for n in names},
+                max_shard_bytes)
+            _base_config(config, shapes).save_pretrained(str(partial / BASE_DIR))
+            worst, base_model = max(worst, diff), str((out_dir / BASE_DIR).resolve())
+            report["base_dir"] = str(out_dir / BASE_DIR)
+        state = {MODULE_PREFIX + n: t for n, t in read(trainable).items()}
+        adapter = write_referenced_adapter(state, config=config, peft_config=peft_config, tokenizer=tokenizer,
+                                           out_dir=partial, reference_logits=None, base_model=base_model)
+        worst, report["files"]["adapter"] = max(worst, adapter["max_abs_diff"]), 1
+        if merge:
+            shapes = {n: shape(p.replace(_ORIGINAL, _TRAINED_COPY)) for n, p in frozen.items()}
+            report["files"]["merged"], diff = write_file_by_file(
+                partial / MERGED_DIR, shapes, _merged_maker(model, frozen, read), max_shard_bytes)
+            write_hf_extras(hf, partial / MERGED_DIR, _base_config(config, shapes))
+            worst = max(worst, diff)
+            report["merged_dir"] = str(out_dir / MERGED_DIR)
+    share_with_group(out_dir)
+    report.update(base_model=base_model, read_back=True, max_abs_diff=worst, tolerance=0.0, ok=worst == 0.0)
     write_json(out_dir / EXPORT_REPORT_FILE, report)
     return report

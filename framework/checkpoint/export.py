@@ -27,12 +27,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from shardlight.callbacks.peer_failure import peer_failures_reported
 from shardlight.checkpoint.callback import quiet_state_dict_warnings
 from shardlight.checkpoint.safetensors_folder import (
-    INDEX_FILE,
-    SINGLE_FILE,
     refuse_nonfinite,
-    shard_plan,
-    tensor_bytes,
+    staged_folder,
     verify_safetensors_folder,
+    write_file_by_file,
     write_safetensors_folder,
 )
 from shardlight.checkpoint.store import (
@@ -145,46 +143,29 @@ def live_reference_logits(trainer: Any, module: Any) -> torch.Tensor:
     return reference
 
 
-def reference_and_full_state(trainer: Any, module: Any) -> tuple:
-    """``(logits, state)``: the live sharded model's logits on the check batch and its full state dict (on rank 0;
-    elsewhere what the strategy returns there). Every rank must call it: both are collectives."""
-    reference = live_reference_logits(trainer, module)
-    strategy = trainer.strategy
-    with peer_failures_reported(trainer.global_rank):
-        # ShardlightFSDPStrategy gathers the unsharded weights onto rank 0; any other strategy holds them whole.
-        state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
-    return reference, state
-
-
 # ---------------------------------------------------------------- from a checkpoint
-def load_saved_weights(model: torch.nn.Module, checkpoint: Path, saved: Dict[str, Any], wanted: List[str]) -> None:
-    """Read the checkpoint's weights into ``model`` in place (one process, no ranks): every parameter named in
-    ``wanted`` must be saved; whatever else of the model's state the checkpoint holds is read too."""
-    missing = [n for n in wanted if WEIGHT_PREFIX + n not in saved]
-    if missing:
-        raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {', '.join(missing[:5])}")
-    target = {WEIGHT_PREFIX + n: t for n, t in model.state_dict().items() if WEIGHT_PREFIX + n in saved}
-    try:
-        dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
-    except Exception as exc:
-        raise ShardlightError(f"could not read checkpoint {checkpoint}: {type(exc).__name__}") from None
-
-
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's 5GB
-PARTIAL_SUFFIX = ".partial"  # an export being written, beside its folder; renamed in when verified
+
+
+def write_hf_extras(source: Path, out_dir: Path, config: Any) -> None:
+    """Beside the weights in ``out_dir``: ``config`` (its dtype the weights'), and from the checkpoint's ``hf``
+    folder ``source`` the generation config and tokenizer, when it has them."""
+    config.save_pretrained(str(out_dir))
+    if (source / "generation_config.json").is_file():
+        shutil.copy2(source / "generation_config.json", out_dir / "generation_config.json")
+    if (source / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(out_dir))
 
 
 @torch.no_grad()
 def export_full_checkpoint(path: Path, out_dir: Path,
                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> CheckpointExportReport:
     """A checkpoint (a ``step-N`` dir, or a run dir: its newest) → a Hugging Face folder, one output file at a
-    time: each file's tensors are read from the shards (DCP), refused if non-finite, written, and read back
-    and compared exactly before the next, so the process holds one file of at most ``max_shard_bytes``,
-    never the model. The folder is assembled beside ``out_dir`` and moved in when every file verified;
-    nothing is written to ``out_dir`` when the checkpoint does not verify. The report is also written to
-    ``out_dir/export_report.json``."""
-    from safetensors import safe_open
-
+    time (``safetensors_folder.write_file_by_file``): each file's tensors are read from the shards (DCP; the
+    optimizer state is never read), refused if non-finite, written, and read back and compared exactly before
+    the next, so the process holds one file of at most ``max_shard_bytes``, never the model. The folder is
+    assembled beside ``out_dir`` and moved in when every file verified; nothing is written to ``out_dir`` when
+    the checkpoint does not verify. The report is also written to ``out_dir/export_report.json``."""
     checkpoint, out_dir = locate_checkpoint(Path(path)), Path(out_dir)
     verify_checkpoint(checkpoint)
     hf = checkpoint / HF_DIR
@@ -200,42 +181,16 @@ def export_full_checkpoint(path: Path, out_dir: Path,
         raise ShardlightError(f"checkpoint {checkpoint} lacks weights: {', '.join(missing[:5])}")
     shapes = {n: torch.empty(saved[WEIGHT_PREFIX + n].size, dtype=saved[WEIGHT_PREFIX + n].properties.dtype,
                              device="meta") for n in names}
-    plan = shard_plan(shapes, max_shard_bytes)
-    count = max(plan.values())
-    partial = out_dir.with_name(out_dir.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    weight_map: Dict[str, str] = {}
-    worst = 0.0
-    try:
-        for index in range(1, count + 1):
-            part = {n: torch.empty(shapes[n].shape, dtype=shapes[n].dtype) for n in names if plan[n] == index}
-            dcp.load({WEIGHT_PREFIX + n: t for n, t in part.items()}, checkpoint_id=str(checkpoint), no_dist=True)
-            refuse_nonfinite(part, across_ranks=False)
-            file = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
-            save_file(part, str(partial / file), metadata={"format": "pt"})
-            with safe_open(str(partial / file), framework="pt") as f:
-                for n, t in part.items():
-                    if t.numel():
-                        worst = max(worst, float((f.get_tensor(n).float() - t.float()).abs().max()))
-            weight_map.update(dict.fromkeys(part, file))
-            del part
-        if count > 1:
-            total = sum(tensor_bytes(t) for t in shapes.values())
-            write_json(partial / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+    def read(part: List[str]) -> Dict[str, torch.Tensor]:
+        tensors = {n: torch.empty(shapes[n].shape, dtype=shapes[n].dtype) for n in part}
+        dcp.load({WEIGHT_PREFIX + n: t for n, t in tensors.items()}, checkpoint_id=str(checkpoint), no_dist=True)
+        return tensors
+
+    with staged_folder(out_dir) as partial:
+        count, worst = write_file_by_file(partial, shapes, read, max_shard_bytes)
         config.dtype = next(t.dtype for t in shapes.values() if t.dtype.is_floating_point)
-        config.save_pretrained(str(partial))
-        if (hf / "generation_config.json").is_file():
-            shutil.copy2(hf / "generation_config.json", partial / "generation_config.json")
-        if (hf / "tokenizer_config.json").is_file():
-            AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(partial))
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for file in partial.iterdir():
-        file.replace(out_dir / file.name)
-    partial.rmdir()
+        write_hf_extras(hf, partial, config)
     share_with_group(out_dir)
     report: CheckpointExportReport = {"checkpoint": str(checkpoint), "out": str(out_dir), "files": count,
                                       "max_abs_diff": worst, "tolerance": 0.0, "ok": worst == 0.0}

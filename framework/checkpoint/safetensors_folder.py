@@ -11,6 +11,9 @@ holding the whole model (issue 35: a 70B export must not gather 280 GB into rank
 - ``verify_safetensors_folder``: every rank reads its slices back from the written files (DCP's
   ``HuggingFaceStorageReader``) a few hundred MB at a time and compares them with its shards exactly; the
   largest difference over all ranks is returned.
+- ``write_file_by_file`` (one process, no ranks: ``shardlight export``): one output file at a time, its
+  tensors made by the caller (read from a checkpoint, merged), written, read back and compared exactly;
+  ``staged_folder``: the folder is assembled beside its destination and moved in only when all of it verified.
 
 ``state`` is the HF model's state dict as its ranks hold it: ``DTensor`` (FSDP2, TP, FSDP1 with a mesh),
 ``ShardedTensor`` (FSDP1) or plain tensors (replicated), under the HF model's own names.
@@ -18,19 +21,22 @@ holding the whole model (issue 35: a 70B export must not gather 280 GB into rank
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Callable, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from shardlight.errors import ShardlightError
+from shardlight.files import write_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PARTIAL_SUFFIX = ".partial"  # an export being written, beside its folder; moved in when verified
 SLICES_DIR = ".slices"  # each rank's slices while the files are assembled; removed after
 VERIFY_BATCH_BYTES = 256 * 2**20  # of global tensor bytes per read-back (per rank: its share of that)
 
@@ -141,3 +147,56 @@ def verify_safetensors_folder(state: Mapping[str, torch.Tensor], out_dir: Path) 
     if _distributed():
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
+
+
+def write_file_by_file(out_dir: Path, shapes: Mapping[str, torch.Tensor],
+                       make: Callable[[List[str]], Dict[str, torch.Tensor]], max_shard_bytes: int) -> Tuple[int, float]:
+    """Write the tensors named in ``shapes`` (meta tensors: shape and dtype, in file order) to ``out_dir`` as
+    ``save_pretrained`` would, one output file at a time: ``make(names)`` gives one file's tensors, which are
+    refused if non-finite, written, read back and compared exactly before the next file is made, so the
+    process holds one file of at most ``max_shard_bytes``. Returns (files written, largest |difference|)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    plan = shard_plan(shapes, max_shard_bytes)
+    count = max(plan.values())
+    weight_map: Dict[str, str] = {}
+    worst = 0.0
+    for index in range(1, count + 1):
+        part = make([n for n in shapes if plan[n] == index])
+        refuse_nonfinite(part, across_ranks=False)
+        file = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+        save_file(part, str(Path(out_dir) / file), metadata={"format": "pt"})
+        with safe_open(str(Path(out_dir) / file), framework="pt") as f:
+            for n, t in part.items():
+                if t.numel():
+                    worst = max(worst, float((f.get_tensor(n).float() - t.float()).abs().max()))
+        weight_map.update(dict.fromkeys(part, file))
+        del part
+    if count > 1:
+        total = sum(tensor_bytes(t) for t in shapes.values())
+        write_json(Path(out_dir) / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return count, worst
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: Path) -> Iterator[Path]:
+    """A folder to write ``out_dir``'s contents into, beside it (``OUT.partial``): moved into ``out_dir`` (entry
+    by entry, replacing what is there) when the block ends, removed when it raises, so a failed or interrupted
+    export never leaves half a model where a whole one is expected."""
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(out_dir.name + PARTIAL_SUFFIX)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for entry in partial.iterdir():
+        if (out_dir / entry.name).is_dir():
+            shutil.rmtree(out_dir / entry.name)
+        entry.replace(out_dir / entry.name)
+    partial.rmdir()
