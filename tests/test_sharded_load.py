@@ -1,7 +1,7 @@
 """Loading a real pretrained checkpoint (several safetensors shards, some hundreds of MB) into the shards:
 the loaded weights are exactly the checkpoint's, the logits are ``from_pretrained``'s, and no rank's memory
 grows by more than its share of the model (FSDP1, FSDP2, TP 2 x FSDP 2; 2 and 4 gloo ranks); and a fine-tune
-from it on 2 ranks exports a folder that transformers reloads."""
+from it on each of those paths exports a folder that transformers reloads."""
 
 import json
 import os
@@ -64,10 +64,11 @@ def pretrained(tmp_path_factory):
     return root, recipe, model_bytes
 
 
-PATHS = {  # FSDP2 alone: the fine-tune below (TP x FSDP2 loads through the same FSDP2 code, and is measured)
+PATHS = {  # FSDP2 alone is measured through TP x FSDP2, which loads through the same FSDP2 code
     "fsdp1-2": (2, ["fsdp.fsdp_version=1"]),
     "tp2xfsdp2-4": (4, ["fsdp.fsdp_version=2", "parallelism.tp_size=2", "trainer.allow_oversubscribe=true"]),
 }
+FINE_TUNES = {"fsdp2-2": (2, ["fsdp.fsdp_version=2"]), **PATHS}
 
 
 @pytest.mark.slow
@@ -103,9 +104,10 @@ def test_sharded_load_is_the_checkpoint_in_a_share_of_the_memory(pretrained, tmp
 
 
 @pytest.mark.slow
-def test_a_fine_tune_from_the_checkpoint_exports_a_folder_transformers_reloads(pretrained, tmp_path):
-    """``shardlight train`` from ``model.name_or_path`` (the three safetensors files) on 2 gloo ranks, FSDP2:
-    one optimizer step at a learning rate of 1e-30: Adam moves a weight by about the learning rate, far below
+@pytest.mark.parametrize("path", list(FINE_TUNES))
+def test_a_fine_tune_from_the_checkpoint_exports_a_folder_transformers_reloads(pretrained, tmp_path, path):
+    """``shardlight train`` from ``model.name_or_path`` (the three safetensors files) on 2 and 4 gloo ranks,
+    FSDP1, FSDP2 and TP 2 x FSDP 2: one optimizer step at a learning rate of 1e-30: Adam moves a weight by about the learning rate, far below
     fp32's resolution at weights of about 0.02 (only a weight at exactly 0 visibly moves, by that much), so the
     trained model is the checkpoint. The export at the end, in 100 MB files, reloads with ``from_pretrained``
     to the checkpoint's tensors within 1e-29 (a wrong or shifted tensor differs by ~0.02), and the reloaded
@@ -115,9 +117,10 @@ def test_a_fine_tune_from_the_checkpoint_exports_a_folder_transformers_reloads(p
     from transformers import AutoModelForCausalLM
 
     root, recipe, _ = pretrained
+    world, overrides = FINE_TUNES[path]
     summary_path = tmp_path / "summary.json"
     result = run_cli(["train", str(recipe), f"output_dir={tmp_path / 'runs'}", "--summary-json", str(summary_path),
-                      "fsdp.fsdp_version=2", "trainer.max_steps=1", "trainer.micro_batch_size=1", "optim.lr=1e-30",
+                      f"trainer.devices={world}", *overrides, "trainer.max_steps=1", "trainer.micro_batch_size=1", "optim.lr=1e-30",
                       "optim.warmup_steps=0", "trainer.limit_val_batches=0", "trainer.progress_bar=false",
                       "export.max_shard_size=100MB", "logging.wandb.enabled=false", "callbacks.comm.enabled=false",
                       "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false"])
