@@ -105,7 +105,7 @@ class WindowReport:
             rank_result = analysis["ranks"].get(str(r))
             if metrics is not None and rank_result is not None:
                 metrics.update(split_metrics(rank_result))
-        self.findings.analysis = analysis
+        self.findings.add_window(window["start"], analysis)
         out = bandwidth_metrics(analysis["summary"])
         if not self.diagnosis.enabled:
             return out, None

@@ -17,9 +17,13 @@ window starts:
   ``cost / (overhead_budget x typical step)`` steps after its start; ``overhead_budget`` null or 0
   keeps the fixed schedule (``shardlight profile`` does: it calibrates on every window).
 
-``first_step``'s early window always runs (it gives the first verdict); its measured cost spaces the
-next one. Every rank takes the same decisions from the same agreed numbers (:meth:`WindowSchedule.agree`),
-so the collectives of the windows stay matched.
+Windows count from the run's own first step (a resumed run's too: ``plan_run``). ``first_step``'s early
+window always runs (it gives the first verdict); its measured cost spaces the next one. A run of at least
+``JUDGED_MIN_STEPS`` steps also always gets one window after warm-up, whatever the budget: the end-of-run
+verdict is judged on windows after warm-up (``shardlight.diagnosis.across_windows``), never on the early one
+alone. When none has run by the run's last chance (the latest start whose results come before the end),
+one starts then. Every rank takes the same decisions from the same agreed
+numbers (:meth:`WindowSchedule.agree`), so the collectives of the windows stay matched.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch.distributed as dist
 _TYPICAL_STEPS = 32
 # A window's cost is agreed this many steps after its gather (typical steps after it known too).
 AGREE_AFTER = 8
+# A run at least this long always gets a window after warm-up, whatever the budget.
+JUDGED_MIN_STEPS = 30
 
 
 class WindowSchedule:
@@ -58,6 +64,9 @@ class WindowSchedule:
         self.next_start: Optional[int] = None  # set after the first window's cost is known
         self.costs: Dict[int, float] = {}  # window start -> agreed cost (s)
         self.spent_s = 0.0  # the agreed costs so far
+        self.run_start = 0  # the run's first step (a resumed run's resume step)
+        self.warmup_steps = 0  # windows starting this many steps into the run are past warm-up
+        self.judged_start: Optional[int] = None  # the last chance for a window after warm-up (plan_run)
         self._begin: Optional[float] = None  # perf_counter at the end of the open window's start step
         self._last: Optional[Tuple[int, float]] = None
         self._recent: Deque[float] = deque(maxlen=_TYPICAL_STEPS)
@@ -95,6 +104,8 @@ class WindowSchedule:
 
     def window_opened(self, start: int) -> None:
         """A window starts recording at step ``start``: its steps from here on count as its cost."""
+        if start - self.run_start >= self.warmup_steps:
+            self.judged_start = None  # a window after warm-up: the run's verdict has one
         self._open = start
         self._before = list(self._recent)[-AGREE_AFTER:] if len(self._recent) >= AGREE_AFTER else []
         self._begin = self._last[1] if self._last is not None and self._last[0] == start else None
@@ -130,12 +141,25 @@ class WindowSchedule:
         return max(0.0, wall - steps * typical), typical
 
     # --- decisions ----------------------------------------------------------------------------------------
+    def plan_run(self, run_start: int, max_steps: int, *, warmup_steps: int, gather_delay: int) -> None:
+        """The run trains from ``run_start`` to ``max_steps``: windows count from ``run_start``; and a run of at
+        least ``JUDGED_MIN_STEPS`` that has had no window ``warmup_steps`` or more into it by its last chance
+        (the latest start whose results, ``gather_delay`` steps after it, come before the end) gets one then."""
+        self.run_start, self.warmup_steps = run_start, warmup_steps
+        length = max_steps - run_start
+        self.judged_start = None
+        if length >= JUDGED_MIN_STEPS:
+            self.judged_start = run_start + max(warmup_steps, length - self.length - gather_delay)
+
     def is_start(self, step: int, max_steps: int) -> bool:
         if step + self.length > max_steps or self._open is not None:
             return False  # a window that cannot finish, or the last one's cost is not known yet
+        if self.judged_start is not None and step >= self.judged_start:
+            return True  # the window after warm-up (window_opened clears it)
+        into = step - self.run_start
         if self.next_start is not None:
-            return step >= self.next_start and step % self.every_n_steps == 0
-        return (step > 0 and step % self.every_n_steps == 0) or step == self.first_step
+            return step >= self.next_start and into % self.every_n_steps == 0
+        return (into > 0 and into % self.every_n_steps == 0) or into == self.first_step
 
     def agree(self, start: int, device: torch.device) -> Tuple[float, float]:
         """Every rank's (cost, typical step) of the window at ``start``: the largest of each over the ranks
@@ -157,5 +181,6 @@ class WindowSchedule:
         self.next_start = start + 1
         if self.budget and typical_s > 0:
             self.next_start = max(self.next_start, start + math.ceil(cost_s / (self.budget * typical_s) - 1e-9))
-        # The first multiple of every_n_steps at or after it (is_start also requires one).
-        self.next_start = -(-self.next_start // self.every_n_steps) * self.every_n_steps
+        # The first multiple of every_n_steps into the run at or after it (is_start also requires one).
+        into = self.next_start - self.run_start
+        self.next_start = self.run_start + -(-into // self.every_n_steps) * self.every_n_steps

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -176,11 +176,22 @@ class Findings:
             ``grads_bytes``, ``optim_bytes`` (the memory callback's latest snapshot).
         throughput: ``tokens_per_sec_per_device`` and ``scaling_efficiency`` (when a baseline is known).
         analysis: the latest comm window's trace analysis, combined across ranks (``shardlight.trace``).
+        windows: every analysed window, ``(start step, analysis)``, oldest first (the latest ``MAX_WINDOWS``):
+            the end-of-run verdict is judged across them.
+        run_start: the run's first step (a resumed run's resume step): which windows are warm-up.
     """
+
+    MAX_WINDOWS: ClassVar[int] = 64
 
     memory: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     throughput: Dict[str, Any] = field(default_factory=dict)
     analysis: Optional[Dict[str, Any]] = None
+    windows: List[Tuple[int, Dict[str, Any]]] = field(default_factory=list)
+    run_start: int = 0
+
+    def add_window(self, start: int, analysis: Dict[str, Any]) -> None:
+        self.analysis = analysis
+        self.windows = (self.windows + [(start, analysis)])[-self.MAX_WINDOWS:]
 
 
 @dataclass

@@ -135,6 +135,14 @@ class CommTimeCallback(Callback):
 
     # --- hooks ----------------------------------------------------------------------------------------
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The run's own first step (a resumed run's resume step): windows count from it.
+        self.findings.run_start = trainer.global_step
+        self.schedule.plan_run(trainer.global_step, self._max_steps(trainer),
+                               warmup_steps=self.report.diagnosis.warmup_steps,
+                               gather_delay=self.gather_delay)
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         define_wandb_group(trainer, "comm", {"comm/exposed_ms": "mean", "comm/overlap_pct": "mean"})
         for group in ("step", "input", "diagnosis"):  # logged at the window's end step, like comm/*

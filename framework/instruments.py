@@ -3,7 +3,8 @@ after it, rank 0's verdict with the planner's other configurations for this reci
 none of them; the CLI hands ``train()`` a list of instruments (``Instrument``: ``callbacks`` and ``after_fit``),
 as Lightning takes callbacks.
 
-The end-of-run verdict: the last comm window's analysis (collectives matched across ranks: wait vs transfer),
+The end-of-run verdict: the comm windows' analyses (collectives matched across ranks: wait vs transfer; judged
+across the windows after warm-up, ``shardlight.diagnosis.across_windows``),
 the latest memory and throughput values (all kept by the callbacks in ``Findings``), the wrap report and the
 planner's alternatives go to ``shardlight.diagnosis``, which decides; this module puts the result where the
 user looks:
@@ -28,7 +29,8 @@ from lightning.pytorch.loggers import CSVLogger
 from shardlight.callbacks._common import Shared, wandb_runs
 from shardlight.callbacks.rank_table import log_table
 from shardlight.callbacks.registry import build_enabled, findings_of
-from shardlight.diagnosis import Diagnosis, diagnose, render_panel, write_report
+from shardlight.diagnosis import Diagnosis, render_panel, write_report
+from shardlight.diagnosis.across_windows import diagnose_run
 from shardlight.diagnosis.markdown_report import REPORT_IMAGES
 from shardlight.errors import warn
 from shardlight.files import write_json
@@ -53,7 +55,9 @@ class Measurements:
         """The summary's ``verdict`` (None on other ranks, or without one). Runs after the export's collectives:
         rank 0's verdict work (planner, plots, W&B images) keeps no rank waiting."""
         diagnosis = conclude(trainer, cfg, run_dir, alternatives=_planner_alternatives(cfg, trainer, module))
-        return {"verdict": diagnosis.verdict if diagnosis is not None else None}
+        if diagnosis is None:
+            return {"verdict": None}
+        return {"verdict": diagnosis.verdict, "verdict_label": diagnosis.label}
 
 
 def _planner_alternatives(cfg: RecipeConfig, trainer: Any, module: Any) -> Optional[List[Dict[str, Any]]]:
@@ -87,8 +91,9 @@ def conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path,
 
 def _conclude(trainer: Any, cfg: RecipeConfig, run_dir: Path, findings: Any,
               alternatives: Optional[List[Any]]) -> Diagnosis:
-    diagnosis = diagnose(
-        findings.analysis, memory=findings.memory or None, throughput=findings.throughput or None,
+    diagnosis = diagnose_run(
+        findings.windows or [(findings.run_start, findings.analysis)], run_start=findings.run_start,
+        memory=findings.memory or None, throughput=findings.throughput or None,
         wrap=getattr(trainer.strategy, "wrap_report", None), alternatives=alternatives, config=cfg.diagnosis,
         micro_batch_size=cfg.trainer.micro_batch_size,
     )
@@ -134,5 +139,6 @@ def _log(trainer: Any, run_dir: Path, diagnosis: Diagnosis, images: List[Path]) 
                         {"trainer/global_step": step})
         except Exception as exc:  # noqa: BLE001
             warn(f"W&B verdict logging failed: {type(exc).__name__}: {exc}")
-    rows = [[i + 1, action.text, action.effect] for i, action in enumerate(diagnosis.actions)]
-    log_table(trainer, ACTIONS_KEY, ["priority", "action", "expected effect"], rows, csv_path=run_dir / ACTIONS_CSV)
+    rows = [[i + 1, action.text, action.effect, action.change or ""] for i, action in enumerate(diagnosis.actions)]
+    log_table(trainer, ACTIONS_KEY, ["priority", "action", "expected effect", "recipe change"], rows,
+              csv_path=run_dir / ACTIONS_CSV)

@@ -276,36 +276,53 @@ def test_window_schedule_once_early_then_every_n():
 def test_window_schedule_spaces_windows_by_their_measured_cost():
     """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps: the schedule measures
     exactly that and spaces the windows so that they cost the budget; without a budget, every every_n_steps."""
-
-    def simulate(budget, drift_s=0.0):
-        schedule = WindowSchedule(every_n_steps=50, first_step=5, length=3, budget=budget)
-        clock, starts = 0.0, []
-        for step in range(1, 3000):
-            if schedule.is_start(step - 1, max_steps=3000):
-                starts.append(step - 1)
-                schedule.window_opened(step - 1)
-            recording = schedule.open_window is not None and step <= starts[-1] + 3
-            clock += 0.080 + drift_s * step + (0.100 if recording else 0.0)
-            schedule.step_done(step, clock)
-            if schedule.open_window is not None and schedule.agree_step is None and step == starts[-1] + 8:
-                clock += 0.020  # the gather, 5 steps after the window
-                schedule.window_gathered(clock)
-            if schedule.agree_due(step):  # what CommTimeCallback._agree does, without the all-reduce
-                schedule.close(starts[-1], *schedule.local_cost())
-        return schedule, starts, clock
-
-    schedule, starts, clock = simulate(0.01)
+    schedule, starts, clock = simulate_schedule(0.01)
     assert all(cost == pytest.approx(0.320) for cost in schedule.costs.values()), schedule.costs
     # 0.32 s / (0.01 x 0.08 s) = 400 steps after each start, then the next multiple of 50
     assert starts == [5, 450, 850, 1250, 1650, 2050, 2450, 2850]
     assert schedule.overhead_share(clock) == pytest.approx(0.01, rel=0.1)
-    schedule, starts, _ = simulate(None)
+    schedule, starts, _ = simulate_schedule(None)
     assert starts == [5] + list(range(50, 3000, 50))  # no budget: every 50 steps, as before
     # Steps that slow down over the run (80 ms to 110 ms, as a loaded host drifts): the typical step is taken on
     # both sides of each window, so the drift cancels and every window after the early one (which has no normal
     # steps before it) is measured exactly; the steps after the window alone read the typical step too high.
-    schedule, starts, _ = simulate(0.01, drift_s=1e-5)
+    schedule, starts, _ = simulate_schedule(0.01, drift_s=1e-5)
     assert all(cost == pytest.approx(0.320, abs=1e-9) for start, cost in schedule.costs.items() if start > 5)
+
+
+def test_every_run_of_30_steps_gets_a_window_after_warm_up_counted_from_its_own_start():
+    """The run's verdict is judged after warm-up (10 steps): a run of 30 steps or more gets a window there
+    whatever the budget (at its last chance, when none came earlier), and a resumed run counts its windows from
+    its resume step, as a fresh run does from 0."""
+    _, starts, _ = simulate_schedule(0.01, end=30, planned=True)
+    assert starts == [5, 22]  # 30 - 3 (its length) - 5 (the gather's delay)
+    _, starts, _ = simulate_schedule(0.01, begin=50, end=130, planned=True)
+    assert starts == [55, 122]  # the budget spaces 100 out (400 steps after 55); 122 is the last chance
+    _, starts, _ = simulate_schedule(None, begin=50, end=210, planned=True)
+    assert starts == [55, 100, 150, 200]  # multiples of 50 into the run; 100 is past warm-up: no extra window
+    _, starts, _ = simulate_schedule(0.01, end=29, planned=True)
+    assert starts == [5]  # shorter than 30 steps: the early window alone (a provisional verdict)
+
+
+def simulate_schedule(budget, drift_s=0.0, begin=0, end=3000, planned=False):
+    """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps, steps begin..end."""
+    schedule = WindowSchedule(every_n_steps=50, first_step=5, length=3, budget=budget)
+    if planned:
+        schedule.plan_run(begin, end, warmup_steps=10, gather_delay=5)
+    clock, starts = 0.0, []
+    for step in range(begin + 1, end):
+        if schedule.is_start(step - 1, max_steps=end):
+            starts.append(step - 1)
+            schedule.window_opened(step - 1)
+        recording = schedule.open_window is not None and step <= starts[-1] + 3
+        clock += 0.080 + drift_s * step + (0.100 if recording else 0.0)
+        schedule.step_done(step, clock)
+        if schedule.open_window is not None and schedule.agree_step is None and step == starts[-1] + 8:
+            clock += 0.020  # the gather, 5 steps after the window
+            schedule.window_gathered(clock)
+        if schedule.agree_due(step):  # what CommTimeCallback._agree does, without the all-reduce
+            schedule.close(starts[-1], *schedule.local_cost())
+    return schedule, starts, clock
 
 
 def test_gc_freeze_takes_the_start_up_heap_out_of_full_collections():

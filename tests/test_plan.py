@@ -219,9 +219,16 @@ def test_profile_two_ranks_shard_bytes_match_plan(profile_sweep):
     assert baseline["tokens_per_sec_per_device"] > 0
     text = (out / "profile_report.md").read_text()
     assert "measured best" in text and "plan's prediction" in text
-    for image in ("comm.png", "memory.png", "throughput.png"):
+    for image in ("comm.png", "memory.png", "step_time.png"):
         assert (out / image).stat().st_size > 1000 and f"({image})" in text
-    assert report["measured_best"] in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+    # One frame, three views: the printed best is the table's fastest row, and the plots draw the same step times.
+    steps = {s: report["runs"][s]["measured"]["step_ms"] for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")}
+    best = min(steps, key=steps.get)
+    assert report["measured_best"] == best and f"measured best: {best} ({steps[best]:.1f} ms per step" in result.stdout
+    for strategy, step in steps.items():
+        m = report["runs"][strategy]["measured"]
+        assert m["compute_ms"] + m["exposed_transfer_ms"] + m["other_ms"] == pytest.approx(step)
+        assert f"| {strategy} | 2 | {step:.4g} |" in text
     assert report["plan_prediction"] in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 
 

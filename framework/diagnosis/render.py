@@ -68,6 +68,8 @@ def render_panel(diagnosis: Diagnosis) -> Any:
     legend = Text("  ".join(f"{LETTERS[p]} {NAMES[p]} {diagnosis.shares[p.replace('_ms', '_pct')]:.0f}%"
                             for p in PARTS), style="dim")
     lines: List[Any] = [Text(diagnosis.headline, style="bold"), bar, legend]
+    if diagnosis.certainty:
+        lines.append(Text(diagnosis.certainty, style="yellow" if diagnosis.provisional else ""))
     if diagnosis.secondary:
         lines.append(Text(f"also: {', '.join(diagnosis.secondary)}"))
     if diagnosis.missing_ranks:
@@ -76,7 +78,8 @@ def render_panel(diagnosis: Diagnosis) -> Any:
     if diagnosis.actions:
         lines.append(Text("actions:", style="bold"))
         for number, action in enumerate(diagnosis.actions[:TOP_ACTIONS], 1):
-            lines.append(Text(f" {number}. {action.text} → {action.effect}"))
+            change = f" [set {action.change}]" if action.change else ""
+            lines.append(Text(f" {number}. {action.text}{change} → {action.effect}"))
     lines.append(Text("evidence: " + ", ".join(f"{k}={format_value(v)}" for k, v in diagnosis.evidence.items()),
                       style="dim"))
-    return Panel(Group(*lines), title=f"diagnosis: {diagnosis.verdict}", title_align="left")
+    return Panel(Group(*lines), title=f"diagnosis: {diagnosis.label}", title_align="left")

@@ -14,11 +14,14 @@ VERDICTS = ("communication-bound", "straggler-bound", "input-bound", "host-bound
 @dataclass(frozen=True)
 class Action:
     """One thing to try, with what it should change. ``score`` orders the actions of one verdict: the expected
-    saving in the verdict's unit (ms per step; GB of headroom for memory-bound); None when it cannot be costed."""
+    saving in the verdict's unit (ms per step; GB of headroom for memory-bound); None when it cannot be costed.
+    ``change``: the recipe overrides that do it (``key=value``, space-separated; ``load_recipe`` takes them),
+    when the action is one recipe change; the text names the recipe key it is about in any case."""
 
     text: str
     effect: str
     score: Optional[float] = None
+    change: Optional[str] = None
 
 
 @dataclass
@@ -38,6 +41,17 @@ class Diagnosis:
     min_headroom_bytes: Optional[float] = None
     min_headroom_rank: Optional[int] = None
     steps: int = 0                              # ProfilerSteps analysed per rank
+    scores: Dict[str, Optional[float]] = field(default_factory=dict)  # each class's share, % (verdicts.MEASURES)
+    # Across windows (``across_windows.diagnose_run``); one window alone leaves the defaults.
+    label: str = ""                             # the verdict, or "A or B" when two cannot be told apart
+    certainty: Optional[str] = None             # what it was judged on, and each named class's mean ± spread
+    windows: List[int] = field(default_factory=list)  # start steps of the windows judged
+    run_start: int = 0                          # the run's first step (a resumed run's resume step)
+    provisional: bool = False                   # judged on warm-up windows only
+    spread: Dict[str, List[float]] = field(default_factory=dict)  # class -> [mean, spread] of its share, %
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.verdict
 
     def to_dict(self) -> Dict[str, Any]:
         data = asdict(self)
@@ -45,10 +59,11 @@ class Diagnosis:
         return data
 
     def summary_metrics(self) -> Dict[str, Any]:
-        """A flat dict for loggers: ``diagnosis/verdict`` (str), ``diagnosis/verdict_code`` (its index in
-        ``VERDICTS``), every share in %, ``diagnosis/step_ms``, ``diagnosis/straggler_rank`` (-1: none),
-        ``diagnosis/missing_ranks`` (count) and, with memory numbers, ``diagnosis/min_headroom_gb``."""
-        metrics: Dict[str, Any] = {"diagnosis/verdict": self.verdict,
+        """A flat dict for loggers: ``diagnosis/verdict`` (str: the label, "A or B" when two cannot be told
+        apart), ``diagnosis/verdict_code`` (the leading verdict's index in ``VERDICTS``), every share in %,
+        ``diagnosis/step_ms``, ``diagnosis/straggler_rank`` (-1: none), ``diagnosis/missing_ranks`` (count)
+        and, with memory numbers, ``diagnosis/min_headroom_gb``."""
+        metrics: Dict[str, Any] = {"diagnosis/verdict": self.label,
                                    "diagnosis/verdict_code": float(VERDICTS.index(self.verdict))}
         for part in PARTS:
             key = part.replace("_ms", "_pct")

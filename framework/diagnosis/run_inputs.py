@@ -1,9 +1,11 @@
 """What ``shardlight diagnose`` and ``shardlight profile`` read from a run directory or a trace directory.
 
 A run directory (``shardlight train``'s) holds ``traces/step_<N>/rank<R>.pt.trace.json`` (the comm callback's
-windows; the latest is diagnosed), ``csv/metrics.csv`` (memory and throughput; parsed by the caller, handed
-in as ``{key: [values]}``), ``wrap_report.json`` and ``recipe.yaml`` (micro-batch, strategy, world size and
-the ``diagnosis:`` thresholds). A trace directory is a folder of per-rank trace files.
+windows: the verdict is judged across those it kept, as the run's own end-of-run verdict is,
+``across_windows``; ``diagnosis.json`` says which step the run started from), ``csv/metrics.csv`` (memory
+and throughput; parsed by the caller, handed in as ``{key: [values]}``), ``wrap_report.json`` and
+``recipe.yaml`` (micro-batch, strategy, world size and the ``diagnosis:`` thresholds). A trace directory
+is a folder of per-rank trace files.
 
 A rank whose trace is missing gives a partial diagnosis that names it (the caller decides how loudly);
 traces of different steps are an error.
@@ -19,9 +21,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
+from shardlight.diagnosis.across_windows import Window, diagnose_run
 from shardlight.diagnosis.result import Diagnosis
 from shardlight.diagnosis.step_split import check_same_steps
-from shardlight.diagnosis.verdicts import diagnose, missing_from
+from shardlight.diagnosis.verdicts import missing_from
 from shardlight.errors import ShardlightError
 from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace import analyze_traces
@@ -35,10 +38,13 @@ GB = 1e9
 
 @dataclass
 class RunInputs:
-    """Everything ``diagnose`` takes, read from one directory."""
+    """Everything ``diagnose`` takes, read from one directory. ``analysis``: the latest window's; ``windows``:
+    every window read, ``(start step, analysis)``, oldest first."""
 
     trace_dir: Path
     analysis: Dict[str, Any]
+    windows: List[Window] = field(default_factory=list)
+    run_start: int = 0
     run_dir: Optional[Path] = None
     window_step: Optional[int] = None
     memory: Dict[int, Dict[str, float]] = field(default_factory=dict)
@@ -50,23 +56,28 @@ class RunInputs:
 
     def diagnosis(self, *, alternatives: Optional[Sequence[Mapping[str, Any]]] = None,
                   config: Optional[DiagnosisConfig] = None) -> Diagnosis:
-        return diagnose(self.analysis, memory=self.memory or None, throughput=self.throughput, wrap=self.wrap,
-                        alternatives=alternatives, config=config or self.config,
-                        micro_batch_size=self.settings.get("micro_batch_size"),
-                        missing_ranks=self.missing_ranks)
+        return diagnose_run(self.windows or [(self.window_step or 0, self.analysis)], run_start=self.run_start,
+                            memory=self.memory or None, throughput=self.throughput, wrap=self.wrap,
+                            alternatives=alternatives, config=config or self.config,
+                            micro_batch_size=self.settings.get("micro_batch_size"), missing_ranks=self.missing_ranks)
 
 
 def _has_traces(directory: Path) -> bool:
     return directory.is_dir() and any(p.is_file() and is_trace_name(p) for p in directory.iterdir())
 
 
-def latest_window(run_dir: Path) -> Optional[Path]:
-    """The newest ``traces/step_<N>`` folder holding traces, or None."""
+def window_dirs(run_dir: Path) -> List[tuple]:
+    """``(step, folder)`` of every ``traces/step_<N>`` folder holding traces, oldest first."""
     root = Path(run_dir) / TRACE_DIR
     if not root.is_dir():
-        return None
-    windows = [(int(m.group(1)), p) for p in root.iterdir() if (m := WINDOW_RE.match(p.name)) and _has_traces(p)]
-    return max(windows)[1] if windows else None
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := WINDOW_RE.match(p.name)) and _has_traces(p))
+
+
+def latest_window(run_dir: Path) -> Optional[Path]:
+    """The newest ``traces/step_<N>`` folder holding traces, or None."""
+    windows = window_dirs(run_dir)
+    return windows[-1][1] if windows else None
 
 
 def locate(path: Path) -> tuple:
@@ -151,6 +162,12 @@ def load_run_inputs(path, *, metrics: Optional[Mapping[str, List[float]]] = None
     inputs.window_step = int(match.group(1)) if match else None
     missing = set(missing_from(analysis))
     if run_dir is not None:
+        for step, folder in window_dirs(run_dir)[:-1]:
+            earlier = analyze_traces(folder)
+            check_same_steps(earlier)
+            inputs.windows.append((step, earlier))
+        inputs.windows.append((inputs.window_step or 0, analysis))
+        inputs.run_start = int((_read_json(run_dir / "diagnosis.json") or {}).get("run_start") or 0)
         inputs.settings = run_settings(run_dir)
         inputs.config = config_from(inputs.settings.get("diagnosis") or {})
         inputs.wrap = _read_json(run_dir / "wrap_report.json")

@@ -70,7 +70,7 @@ def _alternative_actions(facts: Facts, ms_at_stake: float, what_ms: str) -> List
         headroom = alt.get("headroom_bytes")
         room = f" (plan: {headroom / GB:.1f} GB headroom)" if headroom is not None else ""
         actions.append(Action(f"{alt['label']} fits{room} and {alt['what']}",
-                              f"{_minus(saved)} of {what_ms} per step", saved))
+                              f"{_minus(saved)} of {what_ms} per step", saved, change=alt.get("override")))
     return actions
 
 
@@ -106,7 +106,9 @@ def _batch_action(facts: Facts, why: str, ms_at_stake: Optional[float]) -> List[
     saved = None if ms_at_stake is None else ms_at_stake * (1 - 1 / factor)
     effect = (f"the same gathers serve {factor}× the samples: {_minus(saved)} of exposed transfer per "
               f"today's step worth of samples" if saved is not None else f"{factor}× the work per launch")
-    return [Action(f"raise trainer.micro_batch_size{now} (headroom allows about {factor}×): {why}", effect, saved)]
+    change = f"trainer.micro_batch_size={mbs * factor}" if mbs else None
+    return [Action(f"raise trainer.micro_batch_size{now} (headroom allows about {factor}×): {why}", effect, saved,
+                   change=change)]
 
 
 def _wrap_actions(facts: Facts) -> List[Action]:
@@ -114,7 +116,8 @@ def _wrap_actions(facts: Facts) -> List[Action]:
     per_step = sum(c["count"] for c in facts.collectives.values())
     if wrap.get("units") == 1:
         return [Action("a single FSDP unit: wrap transformer blocks (fsdp.auto_wrap_policy: TRANSFORMER_BASED_WRAP)",
-                       "per-block gathers overlap the previous block's compute instead of one exposed gather")]
+                       "per-block gathers overlap the previous block's compute instead of one exposed gather",
+                       change="fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP")]
     median = (wrap.get("params_per_unit") or {}).get("median")
     if median is not None and 0 < median < TINY_UNIT_PARAMS:
         return [Action(f"units are tiny (median {_params(median)} params): coarser wrapping "
@@ -145,7 +148,8 @@ def _tp_actions(facts: Facts) -> List[Action]:
     return [Action(f"tensor-parallel communication is {_ms(exposed)} exposed per step{share}: lower "
                    f"parallelism.tp_size (now {tp}) and shard more with FSDP instead, and keep TP inside a node "
                    "(tp_size <= trainer.devices)",
-                   f"up to {_minus(exposed)} of exposed TP communication per step", exposed)]
+                   f"up to {_minus(exposed)} of exposed TP communication per step", exposed,
+                   change=f"parallelism.tp_size={tp // 2}" if tp >= 2 else None)]
 
 
 def _comm_actions(facts: Facts) -> List[Action]:
@@ -234,7 +238,7 @@ def _host_lead(facts: Facts) -> str:
 def _host_actions(facts: Facts) -> List[Action]:
     idle = facts.split["idle_ms"]
     return [Action("cut host overhead between kernels: larger micro-batches, fewer per-step callbacks and logs "
-                   "(trainer.log_every_n_steps), torch.compile", f"up to −{idle:.1f} ms per step", idle),
+                   "(raise trainer.log_every_n_steps)", f"up to −{idle:.1f} ms per step", idle),
             Action("check the host's CPU load: other processes, or too many threads per rank (trainer.num_threads)",
                    "steadier launches")] + _batch_action(facts, "more device work per host step", None)
 
@@ -270,9 +274,10 @@ def _memory_actions(facts: Facts) -> List[Action]:
         gain = (room - now) / GB if now is not None else None
         effect = f"+{gain:.1f} GB of headroom (plan)" if gain is not None else f"{room / GB:.1f} GB headroom (plan)"
         actions.append(Action(f"{alt['label']} fits (plan: {room / GB:.1f} GB headroom) and {alt['what']}",
-                              effect, gain))
+                              effect, gain, change=alt.get("override")))
     actions.append(Action("enable fsdp.activation_checkpointing or lower trainer.micro_batch_size",
-                          "activations are the part of the peak that scales with the batch"))
+                          "activations are the part of the peak that scales with the batch",
+                          change="fsdp.activation_checkpointing=true"))
     return actions
 
 
@@ -293,10 +298,18 @@ def _compute_lead(facts: Facts) -> str:
             f"wait {facts.shares['exposed_wait_pct']:.0f}%")
 
 
+# Below this share of the step, exposed communication (transfer + wait) is "hidden"; the words say so only then.
+HIDDEN_COMM_PCT = 5.0
+
+
 def _compute_actions(facts: Facts) -> List[Action]:
+    exposed = facts.shares["exposed_transfer_pct"] + facts.shares["exposed_wait_pct"]
+    comm = ("communication is hidden" if exposed < HIDDEN_COMM_PCT else
+            f"exposed communication is {exposed:.0f}% of the step, below what makes it the bottleneck")
     return _batch_action(facts, "better device utilization", None) + [
-        Action("communication is hidden: more throughput needs faster compute (bf16 precision, fused or flash "
-               "attention, torch.compile)", "raises tokens/s per device; the split stays compute-bound")]
+        Action(f"{comm}: more throughput needs faster compute (trainer.precision: bf16-mixed, "
+               "model.attn_implementation: sdpa)", "raises tokens/s per device; the split stays compute-bound",
+               change="trainer.precision=bf16-mixed")]
 
 
 RULES = (
@@ -313,6 +326,9 @@ RULES = (
          _compute_evidence, _compute_lead, _compute_actions),
 )
 RULES_BY_VERDICT = {rule.verdict: rule for rule in RULES}
+# What each class's share measures, as the verdict names it ("idle 20 ± 3%"); the classes that compete on shares.
+MEASURES = {"communication-bound": "exposed transfer", "straggler-bound": "wait", "input-bound": "input wait",
+            "host-bound": "idle", "compute-bound": "compute"}
 
 
 # ---------------------------------------------------------------- diagnose
@@ -369,4 +385,5 @@ def diagnose(analysis: Mapping[str, Any], *, memory: Optional[Mapping] = None,
         min_headroom_bytes=None if fullest is None else fullest.headroom_bytes,
         min_headroom_rank=None if fullest is None else fullest.rank,
         steps=int(min(s["steps"] for s in by_rank.values())),
+        scores={verdict: RULES_BY_VERDICT[verdict].share(facts) for verdict in MEASURES},
     )

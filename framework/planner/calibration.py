@@ -148,6 +148,24 @@ def median_of(samples: List[Dict[str, float]], key: str) -> float:
     return statistics.median(s[key] for s in samples)
 
 
+def step_frame(run_dir: Path) -> Optional[Dict[str, float]]:
+    """One run's step, the numbers ``shardlight profile`` prints, tabulates and plots (one frame, three views), in
+    ms: ``step_ms`` (``measured_step_s``'s statistic: the median over the quiet analysed steps), ``compute_ms``
+    and ``exposed_transfer_ms`` (medians over the same steps) and ``other_ms``, the rest of the step (host work,
+    waits), so the three parts add up to it. None when the run has no traces."""
+    try:
+        samples = run_samples(trace_windows(run_dir))
+    except ShardlightError:
+        return None
+    if not samples:
+        return None
+    step = median_of(samples, "wall_s")
+    compute = min(median_of(samples, "compute_s"), step)
+    exposed = min(median_of(samples, "exposed_transfer_s"), step - compute)
+    return {"step_ms": 1e3 * step, "compute_ms": 1e3 * compute, "exposed_transfer_ms": 1e3 * exposed,
+            "other_ms": 1e3 * (step - compute - exposed)}
+
+
 def host_s(sample: Dict[str, float]) -> float:
     """Wall time that is neither compute nor exposed transfer: optimizer bookkeeping, FSDP's Python hooks, and
     waiting for the other rank (a skew a shared machine has whatever the strategy)."""

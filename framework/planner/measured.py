@@ -10,6 +10,7 @@ gradients and optimizer state alive at that moment (what ``CPUOffloadPolicy`` ke
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -55,17 +56,30 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
         return {"source": "analytic", "reason": reason}
     started = time.perf_counter()
     steps: Dict[Tuple[str, bool, int], Dict[str, Any]] = {}
+    total = len({(r["sharding_strategy"], r["activation_checkpointing"], r["shard_group_size"]) for r in rows})
     for row in rows:
         key = (row["sharding_strategy"], row["activation_checkpointing"], row["shard_group_size"])
         if key not in steps:
+            progress(f"plan: fake training step {len(steps) + 1}/{total} ({key[0]}{' +ckpt' if key[1] else ''}), "
+                     f"{time.perf_counter() - started:.0f} s so far")
             steps[key] = step_memory(model.hf_config, cluster.world_size, key[0], key[1], work.precision,
                                      work.micro_batch_size, work.seq_len, work.optimizer, work.param_dtype,
                                      shard_group_size=key[2] if key[0] == "HYBRID_SHARD" else None,
                                      block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
                                      trust_remote_code=model.trust_remote_code)
         apply_step(row, steps[key], cluster)
+    progress(None)
     return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),
             "world_size": cluster.world_size}
+
+
+def progress(line: Optional[str]) -> None:
+    """A live progress line on a terminal (rewritten in place; None clears it); nothing when stderr is a file
+    or a pipe, whose reader gets the plan itself."""
+    if not sys.stderr.isatty():
+        return
+    sys.stderr.write("\r\033[K" + (line or ""))
+    sys.stderr.flush()
 
 
 def measure_tp_contenders(rows: List[Dict[str, Any]], tp_rows: List[Dict[str, Any]], model: StepModel,

@@ -25,6 +25,7 @@ from shardlight.errors import ShardlightError
 from shardlight.files import write_json
 from shardlight.planner import sweep_report
 from shardlight.planner.alternatives import alternatives_from_plan
+from shardlight.planner.calibration import step_frame
 from shardlight.planner.estimate import STRATEGIES
 from shardlight.planner.inputs import GB, make_cluster
 from shardlight.planner.model_spec import ModelSpec
@@ -145,7 +146,7 @@ def run_baseline(request: ProfileRequest, cfg: RecipeConfig, spec: ModelSpec, ck
     result["world_size"] = 1
     measured = measure(result, 1)
     if measured is not None:
-        result["measured"] = measured
+        result["measured"] = with_frame(result, measured)
     return result
 
 
@@ -175,9 +176,7 @@ def run_strategy(request: ProfileRequest, strategy: str, world: int, plan_row: O
     result["world_size"] = world
     measured = measure(result, world)
     if measured is not None:
-        tps = measured["tokens_per_sec_per_device"]
-        measured["scaling_efficiency"] = tps / baseline_tps if tps and baseline_tps else None
-        result["measured"] = measured
+        result["measured"] = with_frame(result, measured)
     if plan_row is not None:
         result["predicted"] = {k: plan_row[k] for k in PREDICTED_KEYS}
         got = result.get("measured", {})
@@ -189,12 +188,27 @@ def run_strategy(request: ProfileRequest, strategy: str, world: int, plan_row: O
     return result
 
 
+def with_frame(result: Dict[str, Any], measured: Dict[str, Any]) -> Dict[str, Any]:
+    """``measured`` with the run's step frame (``calibration.step_frame``): the one set of step times the
+    printed best, the table and the plots all show."""
+    return {**measured, **(step_frame(Path(result["summary"]["run_dir"])) or {})}
+
+
+def scale_against_baseline(runs: Dict[str, Dict[str, Any]]) -> None:
+    """Each strategy run's scaling efficiency from the frame: the 1-device baseline's step time over its own (every
+    rank processes the baseline's micro-batch per step, so equal step times are perfect scaling)."""
+    base = ((runs.get("baseline") or {}).get("measured") or {}).get("step_ms")
+    for name, run in runs.items():
+        step = (run.get("measured") or {}).get("step_ms")
+        if name != "baseline" and run.get("measured") is not None:
+            run["measured"]["scaling_efficiency"] = base / step if base and step else None
+
+
 def compare(plan: Dict[str, Any], runs: Dict[str, Dict[str, Any]], strategies: List[str], ckpt: bool,
             offload: bool, gpu_memory: str) -> Tuple[Optional[str], Optional[str], List[str]]:
     """(measured best, the plan's pick among the swept configurations, notes where they disagree)."""
     measured_ok = successful(runs)
-    best = max(measured_ok, key=lambda s: measured_ok[s]["measured"]["tokens_per_sec_per_device"]) \
-        if measured_ok else None
+    best = min(measured_ok, key=lambda s: measured_ok[s]["measured"]["step_ms"]) if measured_ok else None
     swept = [r for r in plan["strategies"] if r["sharding_strategy"] in strategies
              and r["activation_checkpointing"] == ckpt and r["cpu_offload"] == offload]
     predicted_row = choose(swept)
@@ -218,9 +232,8 @@ def compare(plan: Dict[str, Any], runs: Dict[str, Dict[str, Any]], strategies: L
 
 
 def successful(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """The strategy runs (not the baseline) that measured a throughput."""
-    return {s: r for s, r in runs.items() if s != "baseline" and (r.get("measured") or {}).get(
-        "tokens_per_sec_per_device")}
+    """The strategy runs (not the baseline) that measured a step time (the frame's)."""
+    return {s: r for s, r in runs.items() if s != "baseline" and (r.get("measured") or {}).get("step_ms")}
 
 
 def profile(request: ProfileRequest) -> int:
@@ -257,6 +270,7 @@ def profile(request: ProfileRequest) -> int:
         runs[strategy] = run_strategy(request, strategy, world, find_row(plan["strategies"], strategy, ckpt, offload),
                                       common, out, baseline_file if baseline_tps else None, baseline_tps, alternatives)
 
+    scale_against_baseline(runs)
     # Step times measured here replace the table's bandwidths and peak x MFU before plan and measurement meet.
     calibrated = calibrate_sweep(plan, runs, spec, workload_for(request.workload, cfg),
                                  cluster_for(request.cluster, cfg), cfg.trainer.accelerator, ckpt, out)
@@ -275,7 +289,8 @@ def profile(request: ProfileRequest) -> int:
                               wandb_mode=cfg.logging.wandb.mode)
     measured_ok = successful(runs)
     print(f"measured best: {best or 'none (no run succeeded)'}"
-          + (f" ({measured_ok[best]['measured']['tokens_per_sec_per_device']:.0f} tokens/s/device)" if best else ""))
+          + (f" ({measured_ok[best]['measured']['step_ms']:.1f} ms per step, the fastest row of the report's "
+             "table)" if best else ""))
     print(f"plan predicted: {predicted} among {', '.join(strategies)}; overall recommendation "
           f"{plan['recommendation']['label']}")
     print("agree" if result["agree"] else "disagree" if result["agree"] is False else "no comparison")

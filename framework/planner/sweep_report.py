@@ -13,9 +13,11 @@ from typing import Any, Dict, List, Optional
 from shardlight.errors import warn
 from shardlight.planner.inputs import GB
 
-COLUMNS = ["run", "world_size", "tokens_per_sec_per_device", "scaling_efficiency", "compute_ms",
-           "comm_overlapped_ms", "comm_exposed_ms", "peak_gb", "params_gb", "grads_gb", "optim_gb",
-           "pred_params_gb", "pred_grads_gb", "pred_optim_gb", "pred_peak_gb", "pred_bound", "verdict"]
+# The step columns are the runs' step frames (``calibration.step_frame``): the measured best is the row with the
+# least step_ms, and the plots draw the same numbers.
+COLUMNS = ["run", "world_size", "step_ms", "scaling_efficiency", "compute_ms", "exposed_transfer_ms", "other_ms",
+           "peak_gb", "params_gb", "grads_gb", "optim_gb", "pred_params_gb", "pred_grads_gb", "pred_optim_gb",
+           "pred_peak_gb", "pred_bound", "verdict"]
 
 
 def table_rows(result: Dict[str, Any]) -> List[List[Any]]:
@@ -26,8 +28,8 @@ def table_rows(result: Dict[str, Any]) -> List[List[Any]]:
         def gbv(d: Dict[str, Any], key: str) -> Optional[float]:
             return None if d.get(key) is None else d[key] / GB
 
-        rows.append([name, run.get("world_size"), m.get("tokens_per_sec_per_device"), m.get("scaling_efficiency"),
-                     m.get("compute_ms"), m.get("comm_overlapped_ms"), m.get("comm_exposed_ms"), m.get("peak_gb"),
+        rows.append([name, run.get("world_size"), m.get("step_ms"), m.get("scaling_efficiency"),
+                     m.get("compute_ms"), m.get("exposed_transfer_ms"), m.get("other_ms"), m.get("peak_gb"),
                      gbv(m, "params_bytes"), gbv(m, "grads_bytes"), gbv(m, "optim_bytes"),
                      gbv(p, "params_bytes"), gbv(p, "grads_bytes"), gbv(p, "optim_bytes"), gbv(p, "peak_bytes"),
                      p.get("bound"), (run.get("diagnosis") or {}).get("verdict")])
@@ -55,16 +57,16 @@ def plots(result: Dict[str, Any], out: Path) -> List[str]:
     if not names:
         return written
     m = [runs[n]["measured"] for n in names]
-    # 1. compute vs overlapped/exposed communication per step
+    # 1. the step, split: compute, exposed transfer, the rest (the frame's three parts add up to step_ms)
     fig, ax = plt.subplots(figsize=(7, 4))
     compute = [x.get("compute_ms") or 0 for x in m]
-    overlapped = [x.get("comm_overlapped_ms") or 0 for x in m]
-    exposed = [x.get("comm_exposed_ms") or 0 for x in m]
+    exposed = [x.get("exposed_transfer_ms") or 0 for x in m]
+    other = [x.get("other_ms") or 0 for x in m]
     ax.bar(names, compute, label="compute")
-    ax.bar(names, overlapped, bottom=compute, label="comm overlapped")
-    ax.bar(names, exposed, bottom=[a + b for a, b in zip(compute, overlapped)], label="comm exposed")
-    ax.set_ylabel("ms per profiled step (mean over ranks)")
-    ax.set_title("Compute vs communication")
+    ax.bar(names, exposed, bottom=compute, label="exposed transfer")
+    ax.bar(names, other, bottom=[a + b for a, b in zip(compute, exposed)], label="other (host work, waits)")
+    ax.set_ylabel("ms per step (median of the quiet profiled steps)")
+    ax.set_title("Step time: compute vs communication")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "comm.png", dpi=110)
@@ -93,21 +95,20 @@ def plots(result: Dict[str, Any], out: Path) -> List[str]:
     fig.savefig(out / "memory.png", dpi=110)
     plt.close(fig)
     written.append("memory.png")
-    # 3. tokens/s/device and scaling efficiency vs the baseline
+    # 3. step time and scaling efficiency vs the baseline (the table's step_ms and scaling_efficiency)
     fig, ax = plt.subplots(figsize=(7, 4))
-    tps = [x.get("tokens_per_sec_per_device") or 0 for x in m]
-    bars = ax.bar(names, tps, color="C2")
+    bars = ax.bar(names, [x.get("step_ms") or 0 for x in m], color="C2")
     for bar, x in zip(bars, m):
         eff = x.get("scaling_efficiency")
         if eff is not None:
             ax.annotate(f"{eff:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                         va="bottom")
-    ax.set_ylabel("tokens/s per device")
-    ax.set_title("Throughput (labels: scaling efficiency vs the 1-device baseline)")
+    ax.set_ylabel("ms per step (lower is faster)")
+    ax.set_title("Step time (labels: scaling efficiency vs the 1-device baseline)")
     fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
+    fig.savefig(out / "step_time.png", dpi=110)
     plt.close(fig)
-    written.append("throughput.png")
+    written.append("step_time.png")
     return written
 
 
@@ -177,7 +178,7 @@ def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
     rec = result["plan_recommendation"]
     lines = [f"# shardlight profile: {result['recipe']}", "",
              f"{result['steps']} optimizer steps per run, {result['world_size']} ranks per strategy run.", "",
-             f"- **measured best**: {result['measured_best']}",
+             f"- **measured best**: {result['measured_best']} (the least step_ms in the table below)",
              f"- **plan's prediction** among the swept strategies: {result['plan_prediction']}"
              f" ({'agree' if result['agree'] else 'disagree' if result['agree'] is False else 'no comparison'})",
              f"- **plan's overall recommendation** for the planned cluster: {rec['label']}", ""]
@@ -199,5 +200,8 @@ def write_report(result: Dict[str, Any], out: Path, wandb_enabled: bool = True,
         lines += [f"Baseline for `callbacks.throughput.baseline_file`: `{result['baseline_file']}`", ""]
     if table:
         lines += [f"W&B table: `{table}` (run in `{out / 'wandb'}`)", ""]
-    lines += ["## Plan reasons", ""] + [f"- {r}" for r in rec["reasons"]] + [""]
+    cluster = result["plan"]["cluster"]
+    lines += [f"## Plan reasons (for the planned cluster: {cluster['nodes']} x {cluster['gpus_per_node']} GPUs of "
+              f"{cluster['gpu_memory_gb']:g} GB over {cluster['intra_node']}; not necessarily this machine)", ""]
+    lines += [f"- {r}" for r in rec["reasons"]] + [""]
     (out / "profile_report.md").write_text("\n".join(lines))

@@ -153,6 +153,20 @@ class DiagnosisConfig:
         metadata={"positive": True,
                   "help": "Link bus bandwidth peak (GB/s) to compare measured collectives with (null: no comparison)."},
     )
+    warmup_steps: int = field(
+        default=10,
+        metadata={"non_negative": True,
+                  "help": "Windows starting within this many steps of the run's start are warm-up: the run's "
+                          "verdict is judged on the windows after it (on warm-up alone only when there are none, "
+                          "and then says it is provisional)."},
+    )
+    noise_pct: float = field(
+        default=2.0,
+        metadata={"min": 0, "max": 100,
+                  "help": "The least noise (percentage points of the step) a class's share is taken to have, "
+                          "however alike its windows: two classes, or a class and its threshold, closer than "
+                          "their noise give an 'X or Y' verdict instead of a coin flip."},
+    )
 
 
 @dataclass
