@@ -76,6 +76,18 @@ def test_warm_up_windows_are_judged_only_when_there_is_nothing_else():
     assert judged_windows([(53, "c")], run_start=50, warmup_steps=10) == ([(53, "c")], True)  # resumed at 50
 
 
+def test_windows_judged_together_are_one_long_window():
+    """Two windows of 2 and 4 steps whose compute differs (60 and 90 ms per step): judged together, the split
+    is the step-weighted mean (80 ms), and so are the collectives' times per step."""
+    two = analysis(rank(compute=60, transfer=5, steps=2), rank(compute=60, transfer=5, steps=2))
+    four = analysis(rank(compute=90, transfer=11, steps=4), rank(compute=90, transfer=11, steps=4))
+    result = diagnose_run([(20, two), (40, four)])
+    assert result.windows == [20, 40] and result.steps == 6
+    assert result.split["compute_ms"] == pytest.approx((2 * 60 + 4 * 90) / 6)
+    assert result.split["exposed_transfer_ms"] == pytest.approx((2 * 5 + 4 * 11) / 6)
+    assert result.scores["compute-bound"] == pytest.approx(result.shares["compute_pct"] + result.shares["overlapped_pct"])
+
+
 def test_a_class_on_its_threshold_is_named_with_its_rival_not_flipped():
     """Idle on the host-bound threshold (20%) in every window, within noise: 'host-bound or compute-bound',
     whichever side of the threshold the mean falls; well above it: host-bound alone."""
