@@ -3,15 +3,17 @@ input fails here with one clear line (``ShardlightError``), never as a traceback
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -22,12 +24,14 @@ from shardlight.build.optimizer import check_optimizer
 from shardlight.build.training_model import reads_into_shards, transformers_reason
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
+from shardlight.fake_tensors import fake_process_group, fake_training_step, shallow_copy, uncheckable
 from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 from shardlight.strategy.sharded_load import checkpoint_keys, largest_read_bytes, load_host_bytes
-from shardlight.strategy.tensor_parallel import check_tensor_parallel
+from shardlight.strategy.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from shardlight.strategy.wrapping import block_modules, check_tied_weights, unit_modules
 
 # Ranks per core on CPU beyond which a run crawls so badly it looks hung (2 is normal: 4-rank tests on 2 cores).
 MAX_CPU_RANKS_PER_CORE = 2
@@ -64,6 +68,22 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
             "fsdp.sync_module_states needs GPUs: FSDP broadcasts module states from GPU memory only (Accelerate "
             "refuses it on CPU too)"
         )
+    skeleton, classes = check_model(cfg, config, resolved)
+    if cfg.model.name_or_path is not None and ctx.rank == 0:
+        # Compared with this machine's RAM only where the ranks run (not on a login node submitting a job).
+        note = check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
+        if notes is not None:
+            notes.append(note)
+    check_writable_dir(cache_root(cfg), "data.cache_dir")
+    check_writable_dir(cfg.output_dir)  # last: the checks that write (probe files, removed again)
+    return tokenizer
+
+
+def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved) -> Tuple[PreTrainedModel, Optional[list]]:
+    """Everything about the model itself: it builds (on the meta device, as the ranks build it), takes packed
+    blocks, fits the TP plan and the adapters, has the blocks to wrap, and runs one training step on fake
+    tensors. Returns the skeleton (with adapters) and the block classes FSDP wraps (None: no transformer
+    wrap)."""
     skeleton = build_skeleton(cfg.model, config)
     if cfg.data.packing:
         check_packing(skeleton)
@@ -79,14 +99,10 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
     classes = None
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
-    if cfg.model.name_or_path is not None and ctx.rank == 0:
-        # Compared with this machine's RAM only where the ranks run (not on a login node submitting a job).
-        note = check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
-        if notes is not None:
-            notes.append(note)
-    check_writable_dir(cache_root(cfg), "data.cache_dir")
-    check_writable_dir(cfg.output_dir)  # last: the checks that write (probe files, removed again)
-    return tokenizer
+    check_tied_weights(skeleton, unit_modules(skeleton, resolved.auto_wrap_policy,
+                                              cfg.fsdp.transformer_cls_names_to_wrap, resolved.min_num_params))
+    check_model_step(cfg, config, skeleton, resolved)
+    return skeleton, classes
 
 
 def usable_cores() -> int:
@@ -178,6 +194,71 @@ def check_packing(skeleton: PreTrainedModel) -> None:
         raise ShardlightError(
             f"data.packing: true needs a model whose attention stays inside each packed example (position_ids "
             f"and transformers' masking utilities); {cls.__name__} has none; set data.packing: false")
+
+
+def check_model_step(cfg: RecipeConfig, config: PretrainedConfig, model: PreTrainedModel, resolved) -> None:
+    """One forward, loss and backward of the exact model the ranks build (``model``: its meta skeleton with
+    the recipe's dtype, attention, adapters; with its TP plan and the precision's autocast) on fake tensors,
+    one block of each kind deep (``shardlight.fake_tensors``): whatever shape error the model has surfaces
+    here as one line naming the recipe keys involved, not on every rank after spawn."""
+    reason = _step_failure(cfg, model, resolved)
+    if reason is None:
+        return
+    # Blame the one setting without which the step runs; else the model itself.
+    if resolved.parallel is not None and _step_failure(cfg, model, resolved, tensor_parallel=False) is None:
+        raise ShardlightError(f"parallelism.tp_size {resolved.parallel.tp}: the tensor-parallel model's training "
+                              f"step fails ({reason}); use a tp_size or parallelism.tp_plan that fits the model")
+    model_cfg = cfg.model
+    if cfg.peft.method is not None and _step_failure(cfg, _build_on_meta(model_cfg, config), resolved) is None:
+        raise ShardlightError(f"peft.target_modules {list(cfg.peft.target_modules or [])}: the model with these "
+                              f"adapters fails its training step ({reason})")
+    chosen = model_cfg.attn_implementation
+    if chosen not in (None, "eager"):
+        eager = dataclasses.replace(model_cfg, attn_implementation="eager")
+        with torch.device("meta"):
+            eager_model = apply_adapters(_build_on_meta(eager, config), peft_cfg=cfg.peft, seed=cfg.trainer.seed)
+        if _step_failure(cfg, eager_model, resolved) is None:
+            raise ShardlightError(f"model.attn_implementation: {chosen} fails in this model's training step "
+                                  f"({reason}); use eager")
+    if cfg.trainer.precision != "32-true" and _step_failure(cfg, model, resolved, precision="32-true") is None:
+        raise ShardlightError(f"trainer.precision {cfg.trainer.precision}: the model's training step fails in "
+                              f"this precision ({reason}); use 32-true")
+    key = "model.config" if model_cfg.config is not None else f"model.name_or_path '{model_cfg.name_or_path}'"
+    raise ShardlightError(f"{key}: the model's training step fails before any rank starts (one forward and "
+                          f"backward on fake tensors): {reason}")
+
+
+def _step_failure(cfg: RecipeConfig, model: PreTrainedModel, resolved, *, tensor_parallel: bool = True,
+                  precision: Optional[str] = None) -> Optional[str]:
+    """Why one fake training step of ``model`` fails, or None when it runs."""
+    try:
+        blocks = block_modules(model, cfg.fsdp.transformer_cls_names_to_wrap)
+    except ShardlightError:  # no block classes: the step runs the whole depth
+        blocks = []
+    step_model = shallow_copy(model, blocks)
+    precision = precision or cfg.trainer.precision
+    if precision == "bf16-true":
+        step_model.to(torch.bfloat16)
+    dims = resolved.parallel if tensor_parallel else None
+    group = fake_process_group(dims.tp) if dims is not None else contextlib.nullcontext()
+    try:
+        with group:
+            fake_training_step(
+                step_model, micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
+                vocab_size=int(model.config.get_text_config().vocab_size), packing=cfg.data.packing,
+                autocast=torch.bfloat16 if precision == "bf16-mixed" else None,
+                before=None if dims is None else functools.partial(_tensor_parallel, dims=dims))
+    except ShardlightError:
+        raise
+    except Exception as exc:  # any failure of the model's own code: it is what the ranks would meet
+        return None if uncheckable(exc) else transformers_reason(exc)
+    return None
+
+
+def _tensor_parallel(model: torch.nn.Module, dims) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply_tensor_parallel(model, dims, init_device_mesh("cpu", (dims.tp,), mesh_dim_names=("tp",)))
 
 
 def _builds(model_cfg: ModelConfig, config: PretrainedConfig) -> bool:

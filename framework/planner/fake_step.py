@@ -35,14 +35,14 @@ inside it.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
+from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import ParallelDims
@@ -51,45 +51,6 @@ from shardlight.strategy.tensor_parallel import ParallelDims
 STATE_CATEGORIES = {"params": ("Sharded Param",), "grads": ("Sharded Grad",), "optim": ("OptState",)}
 BUFFER_CATEGORIES = ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Buffer")
 ACTIVATION_CATEGORIES = ("Activation", "Temp", "Inputs")
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A process group of ``world_size`` ranks in this process (this is rank 0); collectives are no-ops."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        # The planner runs before training, never inside a distributed job: refuse instead of replacing it.
-        raise ShardlightError("the fake-tensor planner cannot run inside an initialized process group; "
-                              "use --analytic")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def fake_friendly_grouped_mm() -> Iterator[None]:
-    """Mixture-of-experts layers call ``torch._grouped_mm``, whose fake (meta) kernel accepts only bf16 while
-    the CPU/GPU kernels also take fp32. For fp32 experts, route transformers to its own grouped-mm custom op
-    (registered with a fake kernel): same output shapes, so the same bytes."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        yield
-        return
-    original = moe._can_use_grouped_mm
-
-    def bf16_only(input, weight, offs):
-        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
-
-    moe._can_use_grouped_mm = bf16_only
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
 
 
 def resolved_fsdp(strategy: str, world_size: int, checkpointing: bool, precision: str,

@@ -73,6 +73,27 @@ def unit_modules(model: nn.Module, auto_wrap_policy: str, class_names: Optional[
     return []
 
 
+def check_tied_weights(model: nn.Module, units: List[nn.Module]) -> None:
+    """A weight tied between two units (a ``_no_split_modules`` class holding the embeddings that the head
+    outside it shares) would be sharded by one unit and read whole by the other: refuse it, naming the unit
+    classes that can be wrapped instead."""
+    unit_names = {name: type(m).__name__ for name, m in model.named_modules() if any(m is u for u in units)}
+    owners: Dict[int, Dict[str, str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        owner = max((u for u in unit_names if name == u or name.startswith(u + ".") or not u), key=len, default="")
+        for param_name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), {})[owner] = f"{name}.{param_name}".lstrip(".")
+    for places in owners.values():
+        if len(places) > 1:
+            classes = sorted({unit_names.get(owner, "the root") for owner in places})
+            keep = sorted(set(unit_names.values()) - set(classes))
+            raise ShardlightError(
+                f"fsdp.transformer_cls_names_to_wrap: {' and '.join(sorted(places.values()))} are one tied weight "
+                f"in two FSDP units ({', '.join(classes)}) and FSDP cannot shard one weight in two; set "
+                f"fsdp.transformer_cls_names_to_wrap: [{', '.join(keep)}]")
+
+
 def wrap_report(model: nn.Module, units: List[nn.Module], tiny_unit_params: int = 1_000_000) -> Dict:
     """Units, parameters per unit and what to worry about; computed before sharding, so sizes are full."""
     unit_ids = {id(m) for m in units}
