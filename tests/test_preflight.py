@@ -67,6 +67,16 @@ BAD_MODELS = [
     ("unknown_activation", ["model.config.hidden_act=nope"], "model.config: unknown name 'nope'"),
     ("attention_unsupported_by_architecture", [*GPT2, "model.attn_implementation=flex_attention"],
      "model.attn_implementation: flex_attention does not work", "use one of: eager, sdpa"),
+    # refused by the one training step on fake tensors (transformers 5 checks no grouped-query split)
+    ("kv_heads_not_dividing_heads", ["model.config.num_key_value_heads=3"],
+     "model.config: the model's training step fails before any rank starts",
+     "size of tensor a (4) must match the size of tensor b (3)"),
+    ("tp_plan_that_breaks_attention", ["fsdp.fsdp_version=2", "parallelism.tp_size=2", "trainer.devices=4",
+                                       "parallelism.tp_plan={model.layers.*.self_attn.q_proj: colwise}"],
+     "parallelism.tp_size 2: the tensor-parallel model's training step fails"),
+    ("tied_weight_across_units", ["model.config.tie_word_embeddings=true",
+                                  "fsdp.transformer_cls_names_to_wrap=[LlamaDecoderLayer,Embedding]"],
+     "are one tied weight in two FSDP units", "set fsdp.transformer_cls_names_to_wrap: [LlamaDecoderLayer]"),
 ]
 BAD_MODELS = [(case[0], case[1], case[2:]) for case in BAD_MODELS]
 
