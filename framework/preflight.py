@@ -68,7 +68,8 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
             "fsdp.sync_module_states needs GPUs: FSDP broadcasts module states from GPU memory only (Accelerate "
             "refuses it on CPU too)"
         )
-    skeleton, classes = check_model(cfg, config, resolved)
+    # The ranks Lightning spawns run the same recipe their parent process already stepped on fake tensors.
+    skeleton, classes = check_model(cfg, config, resolved, step=not (ctx.launched and ctx.launcher == "lightning"))
     if cfg.model.name_or_path is not None and ctx.rank == 0:
         # Compared with this machine's RAM only where the ranks run (not on a login node submitting a job).
         note = check_load_memory(cfg, resolved, skeleton, classes, here=ctx.launcher == "local" or ctx.launched)
@@ -79,10 +80,11 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
     return tokenizer
 
 
-def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved) -> Tuple[PreTrainedModel, Optional[list]]:
+def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
+                step: bool = True) -> Tuple[PreTrainedModel, Optional[list]]:
     """Everything about the model itself: it builds (on the meta device, as the ranks build it), takes packed
-    blocks, fits the TP plan and the adapters, has the blocks to wrap, and runs one training step on fake
-    tensors. Returns the skeleton (with adapters) and the block classes FSDP wraps (None: no transformer
+    blocks, fits the TP plan and the adapters, has the blocks to wrap, and (``step``) runs one training step on
+    fake tensors. Returns the skeleton (with adapters) and the block classes FSDP wraps (None: no transformer
     wrap)."""
     skeleton = build_skeleton(cfg.model, config)
     if cfg.data.packing:
@@ -101,7 +103,8 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved) -> Tuple[
         classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
     check_tied_weights(skeleton, unit_modules(skeleton, resolved.auto_wrap_policy,
                                               cfg.fsdp.transformer_cls_names_to_wrap, resolved.min_num_params))
-    check_model_step(cfg, config, skeleton, resolved)
+    if step:
+        check_model_step(cfg, config, skeleton, resolved)
     return skeleton, classes
 
 

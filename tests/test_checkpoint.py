@@ -384,13 +384,15 @@ def _checkpoint_tensors(path, tmp):
 
 
 def test_async_checkpoints_let_training_go_on_and_equal_the_synchronous_ones(tiny, run_a, tmp_path):
-    """A known delay in every shard write (1.5 s, a loaded file system): with checkpoint.async_save training goes
-    on while each save is written, and every checkpoint holds exactly what run_a's synchronous save of that
-    step holds (model and optimizer, every value), so the background write saved the step it was asked for."""
+    """A file system whose write of step N's shards waits until training has finished step N + 1: with
+    checkpoint.async_save every save but the last overlaps at least one step (a save that held training would
+    wait for a step that never comes and report 0), whatever the machine's load; and every checkpoint holds
+    exactly what run_a's synchronous save of that step holds (model and optimizer, every value), so the
+    background write saved the step it was asked for, not the one training had reached."""
     _, recipe = tiny
     summary_path = tmp_path / "summary.json"
     env = without_run_env(os.environ)
-    env.update(PYTHONPATH=str(REPO), SLOW_WRITE_S="1.5")
+    env.update(PYTHONPATH=str(REPO), SLOW_WRITE_TIMEOUT_S="60")
     result = subprocess.run(
         [sys.executable, str(SLOW_WRITE_WORKER), "train", str(recipe), f"output_dir={tmp_path / 'runs'}",
          "--summary-json", str(summary_path), *FAST, "checkpoint.async_save=true"],

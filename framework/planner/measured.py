@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from shardlight.errors import ShardlightError
-from shardlight.planner.fake_step import step_memory
+from shardlight.planner.fake_step import measured_depths, step_memory
 from shardlight.planner.inputs import Cluster, Workload
 from shardlight.planner.recommend import choose, label
 
@@ -57,11 +57,14 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
     started = time.perf_counter()
     steps: Dict[Tuple[str, bool, int], Dict[str, Any]] = {}
     total = len({(r["sharding_strategy"], r["activation_checkpointing"], r["shard_group_size"]) for r in rows})
+    depths = measured_depths(model.hf_config) if model.wrap_blocks else None
+    deep = (f", {depths[0]} and {depths[1]} of {model.hf_config.num_hidden_layers} blocks, scaled"
+            if depths else "")
     for row in rows:
         key = (row["sharding_strategy"], row["activation_checkpointing"], row["shard_group_size"])
         if key not in steps:
-            progress(f"plan: fake training step {len(steps) + 1}/{total} ({key[0]}{' +ckpt' if key[1] else ''}), "
-                     f"{time.perf_counter() - started:.0f} s so far")
+            progress(f"plan: fake training step {len(steps) + 1}/{total} ({key[0]}{' +ckpt' if key[1] else ''}"
+                     f"{deep}), {time.perf_counter() - started:.0f} s so far")
             steps[key] = step_memory(model.hf_config, cluster.world_size, key[0], key[1], work.precision,
                                      work.micro_batch_size, work.seq_len, work.optimizer, work.param_dtype,
                                      shard_group_size=key[2] if key[0] == "HYBRID_SHARD" else None,
@@ -70,7 +73,7 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
         apply_step(row, steps[key], cluster)
     progress(None)
     return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),
-            "world_size": cluster.world_size}
+            "world_size": cluster.world_size, "depths": next(iter(steps.values()))["depths"] if steps else None}
 
 
 def progress(line: Optional[str]) -> None:

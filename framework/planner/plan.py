@@ -227,9 +227,12 @@ def model_from_hf_config(path: str, block_classes: Optional[List[str]] = None) -
 
 def memory_line(memory: Dict[str, Any]) -> str:
     if memory.get("source") == "fake-step":
+        depths = memory.get("depths") or []
+        scaled = (f", each stepped {depths[0]} and {depths[1]} blocks deep and scaled to the model's depth"
+                  if len(depths) == 2 else "")
         return (f"memory: measured, one fake-tensor training step per configuration ({memory['steps']} steps on a "
-                f"fake {memory['world_size']}-rank process group, {memory['seconds']:.1f} s); 'analytic' is the "
-                f"closed-form model, 'diff' the measured peak against it")
+                f"fake {memory['world_size']}-rank process group{scaled}, {memory['seconds']:.1f} s); 'analytic' is "
+                f"the closed-form model, 'diff' the measured peak against it")
     return f"memory: analytic model ({memory.get('reason', 'no model config to run')})"
 
 

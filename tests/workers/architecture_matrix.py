@@ -8,7 +8,9 @@ Usage: python architecture_matrix.py OUT.json PORT. OUT (rank 0): {"refused": {f
 {family: {"fsdp1": [losses], "fsdp2": [losses], "seconds"} or {"error": line, "where": traceback}}}.
 """
 
+import copy
 import datetime
+import functools
 import json
 import os
 import sys
@@ -30,12 +32,18 @@ RECIPE = ["data.seq_len=32", "trainer.micro_batch_size=2", "model.attn_implement
           "fsdp.transformer_cls_names_to_wrap=null"]
 
 
-def recipe(family: str):
-    from architectures import tiny_config
-
+@functools.lru_cache(maxsize=None)
+def _default_recipe():
     from shardlight.recipe import load_recipe
 
-    cfg = load_recipe(None, RECIPE)
+    return load_recipe(None, RECIPE)
+
+
+def recipe(family: str):
+    """The default recipe (read once: loading takes longer than a tiny model's step) with ``family``'s model."""
+    from architectures import tiny_config
+
+    cfg = copy.deepcopy(_default_recipe())
     cfg.model.config = tiny_config(family)
     return cfg
 
