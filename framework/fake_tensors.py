@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -59,6 +59,14 @@ def fake_friendly_grouped_mm() -> Iterator[None]:
         yield
     finally:
         moe._can_use_grouped_mm = original
+
+
+def layer_patterns(config: Any, depth: int) -> Dict[str, list]:
+    """The config's per-layer lists, one entry per block of ``depth`` (``layer_types``, ``no_rope_layers``),
+    not a list of every layer's index (Llama 4's ``moe_layers``, LFM2's ``full_attn_idxs``), which would read
+    as a pattern that never repeats."""
+    return {key: value for key, value in vars(config).items()
+            if isinstance(value, list) and len(value) == depth and value != list(range(depth))}
 
 
 def _block_lists(model: nn.Module, blocks: List[nn.Module]) -> List[nn.ModuleList]:

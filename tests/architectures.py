@@ -10,6 +10,8 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from shardlight.fake_tensors import layer_patterns
+
 # Tiny sizes, by what a config key's name says it is (the first pattern that matches wins; a size is only
 # ever made smaller). The token ids are the shipped tiny tokenizer's.
 SIZES = [("vocab", 512), ("max_position", 256), ("window", 8), ("head_dim", 8), ("experts_per_tok", 2),
@@ -62,7 +64,7 @@ def _depth(config: PretrainedConfig) -> Dict[str, Any]:
     if key is None:
         return {}
     depth = getattr(config, key)
-    patterns = {k: v for k, v in vars(config).items() if isinstance(v, list) and len(v) == depth and depth > 2}
+    patterns = layer_patterns(config, depth) if depth > 2 else {}
     keep = 2
     for values in patterns.values():
         kinds = list(dict.fromkeys(map(str, values)))
@@ -70,5 +72,6 @@ def _depth(config: PretrainedConfig) -> Dict[str, Any]:
     out: Dict[str, Any] = {k: min(getattr(config, k), keep) for k in DEPTH_KEYS
                            if isinstance(getattr(config, k, None), int) and not
                            isinstance(getattr(type(config), k, None), property)}
-    out.update({k: v[:keep] for k, v in patterns.items()})
+    # Lists of every layer's index (Llama 4's moe_layers) are cut with the depth too.
+    out.update({k: v[:keep] for k, v in vars(config).items() if isinstance(v, list) and len(v) == depth > 2})
     return out

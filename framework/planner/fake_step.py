@@ -43,7 +43,7 @@ import torch
 
 from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
-from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group
+from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group, layer_patterns
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import ParallelDims
@@ -232,7 +232,7 @@ def measured_depths(hf_config: Any) -> Optional[Tuple[int, int]]:
     depth = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(depth, int):
         return None
-    patterns = [list(map(str, v)) for v in vars(hf_config).values() if isinstance(v, list) and len(v) == depth]
+    patterns = [list(map(str, v)) for v in layer_patterns(hf_config, depth).values()]
     period = next(p for p in range(1, depth + 1)
                   if all(values[i] == values[i % p] for values in patterns for i in range(depth)))
     a = 2 * period * -(-2 // period)
@@ -244,7 +244,7 @@ def _at_depth(hf_config: Any, depth: int) -> Any:
     full = hf_config.num_hidden_layers
     config = copy.deepcopy(hf_config)
     for key, value in vars(hf_config).items():
-        if isinstance(value, list) and len(value) == full:
+        if isinstance(value, list) and len(value) == full:  # a pattern, or the index of every layer
             setattr(config, key, value[:depth])
     config.num_hidden_layers = depth
     return config

@@ -81,7 +81,7 @@ def train(cfg, version: int, rank: int):
         model, _ = apply_fsdp1(model, resolved, torch.device("cpu"))
     else:
         model, _ = apply_fsdp2(model, resolved, fsdp2_mesh(resolved, "cpu", dist.get_world_size()))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # one op per step, not per tensor
     vocab = int(model.config.get_text_config().vocab_size) if hasattr(model, "config") else 512
     seq, half = cfg.data.seq_len, cfg.data.seq_len // 2
     generator = torch.Generator().manual_seed(rank)
