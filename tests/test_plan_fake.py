@@ -136,6 +136,7 @@ def test_bad_architecture_is_one_line_exit_2(tmp_path, capsys, data, message):
     ("gemma2", 42, None, (4, 6)),                    # sliding, full, sliding, full, ...
     ("gemma3_text", 48, None, (12, 18)),             # five sliding, one full
     ("qwen3_next", 48, None, (8, 12)),               # three linear attention, one full
+    ("qwen3_next", 50, None, (10, 14)),              # ... and two left over: the top two blocks' kinds
     ("gemma2", 12, ["full_attention"] + ["sliding_attention"] * 11, None),  # no repeating pattern
 ])
 def test_measured_depths_follow_the_layer_pattern(model_type, layers, layer_types, depths):
@@ -149,7 +150,7 @@ def test_measured_depths_follow_the_layer_pattern(model_type, layers, layer_type
 
 @pytest.mark.parametrize("recipe,layers,strategy,ckpt", [
     ("llama-3-8b-sft.yaml", 12, "FULL_SHARD", True),
-    (None, 21, "SHARD_GRAD_OP", False),  # olmo3: three sliding-window blocks, one full; stepped 8 and 12 deep
+    (None, 25, "SHARD_GRAD_OP", False),  # olmo3: three sliding-window blocks, one full; stepped 9 and 13 deep
 ])
 def test_scaled_fake_step_equals_the_full_one(recipe, layers, strategy, ckpt):
     """The plan steps a deep model at two depths and scales (``measured_depths``): on the 8B recipe's

@@ -228,7 +228,8 @@ def measured_depths(hf_config: Any) -> Optional[Tuple[int, int]]:
     phase at two depths if its block has the same place from the nearer end of the stack, and is in FSDP's
     steady state if its neighbours are blocks (the unit below a bottom block is the embedding, which the
     first block prefetches in backward): so t blocks at each end, t the first multiple of p from 2 on;
-    a = 2t, b = a + p; None unless a + b blocks are fewer than the model's."""
+    a = 2t plus the model's depth left over after whole periods (so that the top blocks are of the model's top
+    blocks' kinds), b = a + p; None unless a + b blocks are fewer than the model's."""
     depth = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(depth, int):
         return None
@@ -236,6 +237,7 @@ def measured_depths(hf_config: Any) -> Optional[Tuple[int, int]]:
     period = next(p for p in range(1, depth + 1)
                   if all(values[i] == values[i % p] for values in patterns for i in range(depth)))
     a = 2 * period * -(-2 // period)
+    a += (depth - a) % period
     return (a, a + period) if 2 * a + period < depth else None
 
 
