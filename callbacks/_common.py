@@ -206,6 +206,8 @@ class Shared:
         diagnosis: the recipe's ``diagnosis:`` section (``DiagnosisConfig``; None: its defaults).
         micro_batch_size: what the diagnosis's advice is about (``trainer.micro_batch_size``).
         tp_size: the tensor-parallel degree: that many ranks share each batch (throughput counts it once).
+        collective_timeout_s: torch's collective timeout (``trainer.collective_timeout_s``): the hang watchdog
+            acts before it.
         The few facts callbacks need from outside their ``callbacks:`` section, handed in, never imported.
     """
 
@@ -215,3 +217,4 @@ class Shared:
     diagnosis: Any = None
     micro_batch_size: Optional[int] = None
     tp_size: int = 1
+    collective_timeout_s: float = 1800.0

@@ -48,7 +48,8 @@ class Measurements:
 
     def callbacks(self, cfg: RecipeConfig, ctx: RunContext) -> List[Callback]:
         shared = Shared(trust_remote_code=cfg.model.trust_remote_code, diagnosis=cfg.diagnosis,
-                        micro_batch_size=cfg.trainer.micro_batch_size, tp_size=cfg.parallelism.tp_size)
+                        micro_batch_size=cfg.trainer.micro_batch_size, tp_size=cfg.parallelism.tp_size,
+                        collective_timeout_s=cfg.trainer.collective_timeout_s)
         return build_enabled(cfg.callbacks, ctx, shared)
 
     def after_fit(self, trainer: Any, module: Any, cfg: RecipeConfig, run_dir: Path) -> Dict[str, Any]:

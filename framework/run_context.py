@@ -19,10 +19,17 @@ from typing import Dict, Mapping, Optional
 from shardlight.launch import Launcher, detect_launcher
 from shardlight.launch.launchers import (
     ENV_FAULT_KILL_IN_SAVE_STEP,
+    ENV_FR_BUFFER_SIZE,
+    ENV_FR_DUMP_FILE,
+    ENV_NCCL_DUMP_ON_TIMEOUT,
     ENV_RESUME_FROM,
     ENV_RUN_DIR,
     ENV_WANDB_RUN_ID,
 )
+
+# Where a run's flight-recorder dumps go (``rank_<R>``, torch's format): the hang watchdog's and torch's own.
+FLIGHT_RECORDER_DIR = "flight_recorder"
+FLIGHT_RECORDER_PREFIX = "rank_"
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class RunContext:
         wandb_run_id: a fixed W&B run id (a requeued Slurm job keeps its run); ``None``: W&B picks one.
         job_id: the scheduler's job id, if any.
         fault_kill_in_save_step: test-only; die inside the checkpoint save of this step.
+        flight_recorder_entries: collectives torch's flight recorder keeps per rank (0: off); set before the
+            process group starts, so every rank of the run records.
     """
 
     launcher: str = "local"
@@ -50,6 +59,7 @@ class RunContext:
     wandb_run_id: Optional[str] = None
     job_id: Optional[str] = None
     fault_kill_in_save_step: Optional[int] = None
+    flight_recorder_entries: int = 0
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "RunContext":
@@ -82,7 +92,16 @@ class RunContext:
             env[ENV_RESUME_FROM] = str(self.resume_from) if self.resume_from else ""
         if self.wandb_run_id:
             env[ENV_WANDB_RUN_ID] = self.wandb_run_id
+        if self.flight_recorder_entries and self.run_dir is not None:
+            env[ENV_FR_BUFFER_SIZE] = str(self.flight_recorder_entries)
+            env[ENV_FR_DUMP_FILE] = str(self.flight_recorder_dir() / FLIGHT_RECORDER_PREFIX)
+            env[ENV_NCCL_DUMP_ON_TIMEOUT] = "1"
         return env
+
+    def flight_recorder_dir(self) -> Path:
+        """``run_dir/flight_recorder``: every rank's dump of its last collectives when the run hangs."""
+        assert self.run_dir is not None, "the run dir is decided before anything asks for its folders"
+        return self.run_dir / FLIGHT_RECORDER_DIR
 
     def export(self) -> None:
         """Publish ``to_env()`` for the ranks this process is about to spawn (Lightning's launcher copies

@@ -128,8 +128,10 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
     run_dir = resolve_run_dir(ctx, cfg)
     if not ctx.resume_decided:  # before anything is written: a bad checkpoint is one clear error
         ctx = ctx.replace(resume_from=resolve_resume(cfg), resume_decided=True)
-    ctx = ctx.replace(run_dir=run_dir)
-    ctx.export()  # the ranks Lightning is about to spawn inherit the run dir and the resume decision
+    ctx = ctx.replace(run_dir=run_dir, flight_recorder_entries=cfg.trainer.flight_recorder_entries)
+    # Before the process group starts: the ranks Lightning is about to spawn inherit the run dir and the resume
+    # decision, and every rank (this one too) keeps torch's flight recorder.
+    ctx.export()
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(to_yaml(cfg))

@@ -19,7 +19,13 @@ ENV_RESUME_FROM = "SHARDLIGHT_RESUME_FROM"  # "" means "decided: start fresh"
 ENV_WANDB_RUN_ID = "SHARDLIGHT_WANDB_RUN_ID"
 # Test-only fault injection: a rank dies inside the checkpoint save of this step.
 ENV_FAULT_KILL_IN_SAVE_STEP = "SHARDLIGHT_FAULT_KILL_IN_SAVE_STEP"
-RUN_ENV_VARS = (ENV_RUN_DIR, ENV_RESUME_FROM, ENV_WANDB_RUN_ID)
+# torch's flight recorder (every rank's last collectives): its size, and where its NCCL watchdog dumps it on a
+# collective timeout (the file name is this prefix plus the rank).
+ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+ENV_FR_DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+ENV_NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+RUN_ENV_VARS = (ENV_RUN_DIR, ENV_RESUME_FROM, ENV_WANDB_RUN_ID, ENV_FR_BUFFER_SIZE, ENV_FR_DUMP_FILE,
+                ENV_NCCL_DUMP_ON_TIMEOUT)
 
 
 class Launcher(Protocol):

@@ -16,6 +16,7 @@ import torch
 from shardlight.callbacks._comm_schedule import WindowSchedule
 from shardlight.callbacks._common import Shared, aggregate, interval, per_rank_key, storage_bytes
 from shardlight.callbacks.comm import CommTimeCallback, window_metrics
+from shardlight.callbacks.hang import HangWatchdog
 from shardlight.callbacks.memory import MemoryHeadroomCallback
 from shardlight.callbacks.peer_failure import PeerFailureCallback, peer_failure
 from shardlight.callbacks.progress import LatestMetrics, StepProgressBar, bar_metrics
@@ -394,7 +395,7 @@ def test_registry_is_the_recipe_callbacks_section():
 
     from shardlight.recipe import CallbacksConfig
 
-    assert NAMES == [f.name for f in dataclasses.fields(CallbacksConfig)] == ["comm", "memory", "throughput"]
+    assert NAMES == [f.name for f in dataclasses.fields(CallbacksConfig)] == ["comm", "memory", "throughput", "hang"]
     for name in NAMES:
         assert callable(importlib.import_module(f"shardlight.callbacks.{name}").build), name
         assert dataclasses.fields(getattr(CallbacksConfig(), name))[0].name == "enabled"
@@ -408,11 +409,12 @@ def test_build_enabled_in_registry_order_then_the_rank_table(tmp_path):
     shared = Shared(trust_remote_code=True)
     built = build_enabled(CallbacksConfig(), ctx, shared)
     assert [type(c) for c in built] == [CommTimeCallback, MemoryHeadroomCallback, ThroughputCallback,
-                                        RankTableCallback]
-    comm, memory, throughput, table = built
+                                        HangWatchdog, RankTableCallback]
+    comm, memory, throughput, hang, table = built
     assert comm.table is memory.table is table.table is shared.table
     assert comm.trace_root == tmp_path / "traces" and table.run_dir == tmp_path
     assert throughput.trust_remote_code is True
+    assert hang.folder == tmp_path / "flight_recorder"
     off = CallbacksConfig()
     for name in NAMES:
         getattr(off, name).enabled = False

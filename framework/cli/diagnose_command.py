@@ -1,5 +1,9 @@
 """``shardlight diagnose RUN_DIR|TRACE_DIR``: the verdict of a profiled window, offline.
 
+A run that hung (``run_dir/flight_recorder/rank_<R>``: the hang watchdog's dumps, or the ones torch's NCCL
+watchdog writes there on a collective timeout), or a folder of such dumps: which rank is missing from which
+collective (``shardlight.diagnosis.hang``), instead of a window's verdict.
+
 A run directory: its latest ``traces/step_<N>/`` window, memory and throughput from ``csv/metrics.csv``, the
 wrap report, the recipe's micro-batch, strategy and ``diagnosis:`` thresholds, and the planner's alternatives
 for the recipe. A trace directory: the traces alone. A rank whose trace is missing gives a partial diagnosis
@@ -53,12 +57,31 @@ def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
     return read_metrics(run_dir) if run_dir is not None else {}
 
 
+def _diagnose_hang(path: Path, json_out: Optional[str]) -> bool:
+    """The hang verdict of a run's (or a folder's) flight-recorder dumps; False when there are none."""
+    from shardlight.diagnosis.hang import hang_report
+    from shardlight.run_context import FLIGHT_RECORDER_DIR
+
+    folder = path / FLIGHT_RECORDER_DIR if (path / FLIGHT_RECORDER_DIR).is_dir() else path
+    verdict = hang_report(folder) if folder.is_dir() else None
+    if verdict is None:
+        return False
+    print("\n".join(verdict.lines))
+    print("verdict: " + verdict.error.removeprefix("error: "))
+    if json_out:
+        write_json(json_out, {"flight_recorder": str(folder), "hang": verdict.to_dict()})
+        print(f"wrote {json_out}")
+    return True
+
+
 def run_diagnose(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if _diagnose_hang(path, args.json_out):
+        return 0
     # The diagnosis and the analyzer under it (numpy: about 190 ms of imports) for this command only
     from shardlight.diagnosis import render_panel, write_report
     from shardlight.diagnosis.run_inputs import load_run_inputs
 
-    path = Path(args.path)
     inputs = load_run_inputs(path, metrics=_metrics(path if (path / "csv").is_dir() else None))
     alternatives, note = planner_alternatives(inputs)
     diagnosis = inputs.diagnosis(alternatives=alternatives)

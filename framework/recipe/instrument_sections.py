@@ -111,6 +111,32 @@ class ThroughputConfig:
 
 
 @dataclass
+class HangConfig:
+    """The recipe's ``callbacks.hang`` section."""
+
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "When no step finishes for after_s, every rank dumps its flight recorder and stack, rank "
+                          "0 names the rank and collective the run is stuck in, and the run exits 1."},
+    )
+    after_s: Optional[float] = field(
+        default=None,
+        metadata={"positive": True,
+                  "help": "Seconds without a finished training step or validation batch (null: 10 x the median "
+                          "step, at least min_after_s; 5 x min_after_s until 3 steps have finished)."},
+    )
+    min_after_s: float = field(
+        default=60.0, metadata={"positive": True, "help": "The least after_s is when it follows the step time."}
+    )
+    grace_s: float = field(
+        default=20.0,
+        metadata={"positive": True,
+                  "help": "Seconds rank 0 waits for the other ranks' dumps; a rank with none by then is named "
+                          "as stopped."},
+    )
+
+
+@dataclass
 class DiagnosisConfig:
     """The recipe's ``diagnosis`` section."""
 
@@ -176,3 +202,4 @@ class CallbacksConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    hang: HangConfig = field(default_factory=HangConfig)

@@ -211,6 +211,12 @@ class TrainerConfig:
         default=1800,
         metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."},
     )
+    flight_recorder_entries: int = field(
+        default=2000,
+        metadata={"non_negative": True,
+                  "help": "Collectives torch's flight recorder keeps per rank, dumped to run_dir/flight_recorder "
+                          "when the run hangs (callbacks.hang) or NCCL times out (0: off)."},
+    )
     on_nonfinite: str = field(
         default="stop",
         metadata={

@@ -96,7 +96,18 @@ def validate(cfg: RecipeConfig) -> None:
         )
     _check_peft(cfg)
     _check_parallelism(cfg)
+    _check_hang(cfg)
     max_shard_bytes(cfg)
+
+
+def _check_hang(cfg: RecipeConfig) -> None:
+    """The hang watchdog must act before torch's collective timeout ends the run without naming anyone."""
+    hang, timeout = cfg.callbacks.hang, cfg.trainer.collective_timeout_s
+    if hang.enabled and hang.after_s is not None and hang.after_s + hang.grace_s >= timeout:
+        raise ShardlightError(
+            f"callbacks.hang.after_s={hang.after_s:g} plus callbacks.hang.grace_s={hang.grace_s:g} must be below "
+            f"trainer.collective_timeout_s={timeout}: the watchdog names the stuck rank only before torch's "
+            "timeout stops the run")
 
 
 def max_shard_bytes(cfg: RecipeConfig) -> int:
