@@ -10,7 +10,10 @@ a step timer on every rank, validation and checkpoints off (not in a step), W&B 
   interval and window);
 * ``--arms file-live``: both arms with the callback on; baseline analyses each window the way it did before
   ``shardlight.trace.live`` (export the chrome trace, then parse it back with ``analyze_trace_file``), the
-  candidate as it does now (from the profiler's memory, the trace written after): the effect of that change.
+  candidate as it does now (from the profiler's memory, the trace written after): the effect of that change;
+* ``--arms recorder`` (``benchmarks/flight_recorder_overhead.py``): both arms with the callback off; baseline
+  without torch's flight recorder and the hang watchdog (``trainer.flight_recorder_entries=0``,
+  ``callbacks.hang.enabled=false``), the candidate with both, as every run has them by default.
 
 Metrics per run (the timer: wall time from one optimizer step's end to the next, every hook included):
 
@@ -60,7 +63,17 @@ WARMUP = 3  # steps before the measured loop (the early window, at step 5, is in
 TIMES_FILE = "step_times_rank{rank}.json"
 WORK_FILE = "window_work_rank{rank}.json"
 WORK: list = []  # per window of this rank: seconds to its analysis, and of its whole background thread
-ARMS = {"off-on": ("comm off", "comm on"), "file-live": ("file analysis", "live analysis")}
+# --arms -> (benchmark name, baseline label, candidate label, each arm's recipe overrides)
+ARMS = {
+    "off-on": ("comm_callback_overhead", "comm off", "comm on",
+               {"baseline": ["callbacks.comm.enabled=false"], "candidate": ["callbacks.comm.enabled=true"]}),
+    "file-live": ("comm_callback_live_analysis", "file analysis", "live analysis",
+                  {"baseline": ["callbacks.comm.enabled=true"], "candidate": ["callbacks.comm.enabled=true"]}),
+    "recorder": ("flight_recorder_overhead", "flight recorder and hang watchdog off", "both on (the default)",
+                 {"baseline": ["callbacks.comm.enabled=false", "trainer.flight_recorder_entries=0",
+                               "callbacks.hang.enabled=false"],
+                  "candidate": ["callbacks.comm.enabled=false"]}),
+}
 
 
 # --- one run (``--run``: this process is rank 0; Lightning re-runs it as rank 1) ---------------------------------
@@ -236,12 +249,13 @@ class Bench:
         self.count += 1
         out = self.tmp / f"{arm}-{self.count}"
         out.mkdir()
-        comm_on = self.args.arms == "file-live" or arm == "candidate"
+        arm_overrides = ARMS[self.args.arms][3][arm]
+        comm_on = "callbacks.comm.enabled=true" in arm_overrides
         file_analysis = self.args.arms == "file-live" and arm == "baseline"
         command = [sys.executable, str(Path(__file__).resolve()), "--run", str(out), "--steps", str(self.args.steps)]
         if file_analysis:
             command.append("--file-analysis")
-        command += [*self.args.overrides, f"callbacks.comm.enabled={str(comm_on).lower()}"]
+        command += [*self.args.overrides, *arm_overrides]
         result = run_tree(command, env=_env(), cwd=REPO, timeout_s=self.args.run_timeout_s)
         if result.returncode != 0:
             why = (f"exit {result.returncode}" if result.returncode is not None
@@ -288,14 +302,14 @@ def main(argv=None) -> int:
     if args.run is not None:
         return run(args.run, args.steps, args.file_analysis, args.overrides)
 
-    name = "comm_callback_overhead" if args.arms == "off-on" else "comm_callback_live_analysis"
+    name = ARMS[args.arms][0]
     with tempfile.TemporaryDirectory(prefix="comm_overhead_") as tmp:
         bench = Bench(args, Path(tmp))
         result = compare(name, baseline=lambda: bench.run_once("baseline"),
                          candidate=lambda: bench.run_once("candidate"), metric="loop_step_s",
                          target=1.01, bound="upper", min_pairs=args.pairs, max_pairs=max(args.pairs, args.max_pairs),
                          budget_s=args.budget_s, started=started)
-    result["arms"] = dict(zip(("baseline", "candidate"), ARMS[args.arms]))
+    result["arms"] = dict(zip(("baseline", "candidate"), ARMS[args.arms][1:3]))
     result["steps"], result["warmup"], result["windows"] = args.steps, WARMUP, bench.windows
     result["every_n_steps"] = bench.comm.every_n_steps
     for arm, overheads in bench.overheads.items():  # the old amortized figure, per arm with windows

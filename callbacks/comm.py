@@ -53,11 +53,13 @@ from shardlight.callbacks._common import (
     log_metrics,
     rank,
 )
+from shardlight.callbacks._flight_recorder import issued_between, issued_marks
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import CommConfig, DiagnosisConfig
 from shardlight.run_context import RunContext
 from shardlight.trace import analyze_trace_file
 from shardlight.trace.live import analyze_profile, distributed_info, has_live_events
+from shardlight.trace.records import write_issued
 
 TRACE_DIR = "traces"
 
@@ -182,6 +184,7 @@ class CommTimeCallback(Callback):
                 on_trace_ready=lambda p: window.__setitem__("recorded", True),  # analysed off the hot path
                 record_shapes=self.record_shapes, profile_memory=False, with_stack=False,
             )
+            window["issued_from"] = issued_marks()  # the flight recorder names the groups gloo's trace does not
             prof.start()
             window["prof"] = prof
             window["t"] = time.perf_counter()
@@ -260,10 +263,18 @@ class CommTimeCallback(Callback):
             pass
         exported = False
         try:
+            window["issued"] = issued_between(window["issued_from"], window["issued_to"]) or None
+        except Exception as exc:  # noqa: BLE001 - the window stands without groups
+            warn(f"comm window at step {window['start']}: no flight recorder ({type(exc).__name__}: {exc})")
+            window["issued"] = None
+        if window["file"] is not None:  # beside the trace: the group of each collective (gloo's names none)
+            write_issued(window["file"], window["issued"])
+        try:
             # payload: what rank 0 needs of this rank to match its collectives with the others' (small)
             if has_live_events(prof):
                 name = window["file"] or f"<rank {rank()} window at step {window['start']}>"
-                result = analyze_profile(prof, payload=True, path=name, dist_info=window.get("dist_info"))
+                result = analyze_profile(prof, payload=True, path=name, dist_info=window.get("dist_info"),
+                                         issued=window.get("issued"))
             else:  # this torch keeps no trace activities in memory (2.11): export the window and read it back
                 result, exported = self._analyse_exported(window, prof), True
             metrics = window_metrics(result, window["seconds"], self.tp_size)
@@ -288,6 +299,7 @@ class CommTimeCallback(Callback):
         with tempfile.TemporaryDirectory(prefix="shardlight-window-") as tmp:
             file = Path(tmp) / f"rank{rank()}.pt.trace.json"
             prof.export_chrome_trace(str(file))
+            write_issued(file, window.get("issued"))
             return analyze_trace_file(file, payload=True)
 
     def _join_exports(self) -> None:
@@ -304,6 +316,7 @@ class CommTimeCallback(Callback):
         if window["error"] is None:
             try:
                 prof.stop()
+                window["issued_to"] = issued_marks()  # before this rank issues another collective
                 if not window.get("recorded"):
                     raise RuntimeError("the profiler recorded nothing")
                 window["dist_info"] = distributed_info()  # what the trace file's distributedInfo holds

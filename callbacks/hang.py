@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from typing_extensions import override
 
 from shardlight.callbacks._common import Shared
+from shardlight.callbacks._flight_recorder import recorder_dump
 from shardlight.diagnosis.hang import hang_report
 from shardlight.files import write_json
 from shardlight.recipe.instrument_sections import HangConfig
@@ -62,21 +61,6 @@ def _main_thread_stack() -> str:
     while len(frames) > 1 and frames[-1].filename.startswith(_STDLIB):
         frames.pop()
     return "".join(traceback.format_list(frames))
-
-
-def _flight_recorder_dump() -> dict:
-    """This rank's flight recorder in torch's dump format, its process groups' members filled in (gloo's dump
-    leaves them out) so that a reader can tell which ranks owe each collective."""
-    try:
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))  # noqa: SLF001
-    except (AttributeError, RuntimeError):  # a torch without the recorder
-        dump = {"version": "", "entries": [], "pg_status": {}}
-    world = dist.distributed_c10d._world  # noqa: SLF001 - the process groups' names, as the recorder logs them
-    dump["pg_config"] = {
-        name: {"name": name, "desc": getattr(pg, "group_desc", name), "ranks": str(sorted(world.pg_group_ranks[pg]))}
-        for pg, name in world.pg_names.items() if pg in world.pg_group_ranks
-    }
-    return dump
 
 
 class HangWatchdog(pl.Callback):
@@ -164,7 +148,7 @@ class HangWatchdog(pl.Callback):
         trigger = self.folder / TRIGGER
         if not trigger.exists():
             write_json(trigger, {"rank": self.rank, "idle_s": round(idle, 1), "step": self.step})
-        dump = _flight_recorder_dump()
+        dump = recorder_dump()
         dump["shardlight"] = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
                               "host": socket.gethostname(), "step": self.step, "idle_s": round(idle, 1),
                               "after_s": round(self.limit_s(), 1), "stack": _main_thread_stack()}

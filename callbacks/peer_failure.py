@@ -20,6 +20,13 @@ exception path (the other callbacks' ``on_exception``, loggers' ``finalize("fail
 re-raises; a caller that catches the exception (a test calling the CLI's ``main``) gets it as before. Not
 recipe-configured: ``shardlight.build`` always adds it, whether or not checkpoints are enabled.
 
+A rank's own exception (a bug in a training step, a bad batch on one rank) is the other half: its peers see
+only a dead peer. On a run of several ranks, the rank that raised prints ``error: rank R: Type: message (at
+file:line in function)``, writes its traceback to ``run_dir/flight_recorder/exception_rank_<R>.txt`` and keeps
+it off the console; a peer that then fails in a collective finds that file and prints nothing, so the run's
+one line is the exception. The exceptions that already end a run in one line of their own (``ShardlightError``,
+``NonFiniteStop``, a keyboard interrupt) are left alone.
+
 The callback covers whatever Lightning runs (``fit``, and ``validate`` after it: both call ``on_exception``).
 The collectives a run makes outside Lightning (the export's reference forward and full-weights gather after
 fit) run inside :func:`peer_failures_reported`, which reports the same way (:func:`report_peer_failure`).
@@ -30,14 +37,18 @@ from __future__ import annotations
 import builtins
 import re
 import sys
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from shardlight.errors import first_line
+from shardlight.causal_lm import NonFiniteStop
+from shardlight.errors import ShardlightError, first_line
+from shardlight.run_context import RunContext
 
 # One row per form a dead or stopped peer takes: (what it is, a case-insensitive regex on one exception's
 # message). Deliberately specific: a bare "timeout" or "connection" would also match, say, a data download.
@@ -110,21 +121,52 @@ class _QuietExit:
             self.previous(kind, value, traceback)
 
 
-def report_peer_failure(rank: int, exception: BaseException) -> bool:
+EXCEPTION_PREFIX = "exception_rank_"
+_OWN_LINES = (ShardlightError, NonFiniteStop)  # exceptions that end a run in one line of their own
+
+
+def _quiet(exception: BaseException, line: Optional[str]) -> None:
+    """Print ``line`` (unless None, or this exception was already reported) and keep ``exception``'s traceback
+    off the console when it reaches the top uncaught."""
+    hook = sys.excepthook
+    if isinstance(hook, _QuietExit):
+        if line and not any(link is hook.reported for link in exception_chain(exception)):
+            print(line, file=sys.stderr, flush=True)
+        hook.reported = exception
+    else:
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        sys.excepthook = _QuietExit(exception, hook)
+
+
+def report_peer_failure(rank: int, exception: BaseException, folder: Optional[Path] = None) -> bool:
     """If ``exception`` says another rank died or hung: print its one line (once, however often it is
-    reported) and keep its traceback off the console when it reaches the top uncaught. False, and nothing
-    done, for any other error (its traceback is what the user needs)."""
+    reported; not at all when another rank's own exception in ``folder`` explains it) and keep its traceback
+    off the console when it reaches the top uncaught. False, and nothing done, for any other error."""
     detail = peer_failure(exception)
     if detail is None:
         return False
-    hook = sys.excepthook
-    if isinstance(hook, _QuietExit):
-        if not any(link is hook.reported for link in exception_chain(exception)):
-            print(peer_failure_message(rank, detail), file=sys.stderr, flush=True)
-        hook.reported = exception
-    else:
-        print(peer_failure_message(rank, detail), file=sys.stderr, flush=True)
-        sys.excepthook = _QuietExit(exception, hook)
+    explained = folder is not None and any(folder.glob(f"{EXCEPTION_PREFIX}*.txt"))
+    _quiet(exception, None if explained else peer_failure_message(rank, detail))
+    return True
+
+
+def report_own_exception(rank: int, exception: BaseException, folder: Path) -> bool:
+    """This rank raised ``exception`` itself, on a run of several ranks: its one ``error:`` line, its traceback
+    to ``folder/exception_rank_<R>.txt`` (where the peers look before saying a peer died). False, and nothing
+    done, for the exceptions that have their own line or are no error."""
+    if isinstance(exception, _OWN_LINES) or not isinstance(exception, Exception):
+        return False
+    path = folder / f"{EXCEPTION_PREFIX}{rank}.txt"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exception)))
+    except OSError:
+        return False  # nowhere to put the traceback: the console keeps it
+    frames = traceback.extract_tb(exception.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    _quiet(exception, f"error: rank {rank}: {type(exception).__name__}: {first_line(exception)}{where}; "
+                      f"traceback in {path}")
     return True
 
 
@@ -140,13 +182,25 @@ def peer_failures_reported(rank: int) -> Iterator[None]:
 
 
 class PeerFailureCallback(pl.Callback):
-    """Prints the one clear line for a collective another rank's death or hang broke, and keeps the traceback
-    of the exception Lightning re-raises off the console."""
+    """Prints the one clear line for a collective another rank's death or hang broke, or for this rank's own
+    exception on a run of several ranks, and keeps the traceback of the exception Lightning re-raises off the
+    console.
+
+    Arguments:
+        folder: where a rank's own exception leaves its traceback for the others (``run_dir/flight_recorder``);
+            None: every exception keeps its traceback.
+    """
+
+    def __init__(self, folder: Optional[Path] = None) -> None:
+        self.folder = folder
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        report_peer_failure(trainer.global_rank, exception)
+        if report_peer_failure(trainer.global_rank, exception, self.folder):
+            return
+        if self.folder is not None and trainer.world_size > 1:
+            report_own_exception(trainer.global_rank, exception, self.folder)
 
 
-def build() -> PeerFailureCallback:
-    return PeerFailureCallback()
+def build(ctx: RunContext) -> PeerFailureCallback:
+    return PeerFailureCallback(ctx.flight_recorder_dir() if ctx.run_dir is not None else None)

@@ -567,6 +567,32 @@ def test_peer_failure_is_one_line_and_the_traceback_is_dropped(monkeypatch, caps
     assert seen == [ordinary]  # any other uncaught exception still gets its traceback
 
 
+def test_a_ranks_own_exception_is_the_one_line_and_its_peers_stay_quiet(monkeypatch, capsys, tmp_path):
+    """Rank 1 raises in its step: its line names it, its traceback goes to a file; rank 0's dead-peer failure
+    that follows prints nothing. The exceptions with a line of their own are left alone."""
+    from types import SimpleNamespace
+
+    from shardlight.causal_lm import NonFiniteStop
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
+    rank1, rank0 = PeerFailureCallback(tmp_path), PeerFailureCallback(tmp_path)
+    rank1.on_exception(SimpleNamespace(global_rank=1, world_size=2), None, NonFiniteStop(3, "loss", "rank 1", 1e9))
+    assert capsys.readouterr().err == "" and not list(tmp_path.iterdir())
+    try:
+        raise ValueError("bad batch on this rank")
+    except ValueError as bug:
+        rank1.on_exception(SimpleNamespace(global_rank=1, world_size=2), None, bug)
+        line = f"error: rank 1: ValueError: bad batch on this rank (at {__file__}:"
+        assert capsys.readouterr().err.startswith(line)
+        assert "ValueError: bad batch on this rank" in (tmp_path / "exception_rank_1.txt").read_text()
+        sys.excepthook(ValueError, bug, None)
+        assert seen == []  # its traceback is in the file, not on the console
+    rank0.on_exception(SimpleNamespace(global_rank=0, world_size=2), None,
+                       RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert capsys.readouterr().err == ""  # rank 1's line explains it
+
+
 # --- the progress bar --------------------------------------------------------------------------------------
 
 def test_bar_shows_loss_tokens_and_exposed_comm_once_known():

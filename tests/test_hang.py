@@ -123,13 +123,14 @@ def _still_running(pids, within_s=10.0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action, fsdp_version", [("block", 1), ("stop", 2)])
+@pytest.mark.parametrize("action, fsdp_version", [("block", 1), ("stop", 2), ("raise", 1)])
 def test_a_rank_stuck_before_an_all_gather_is_named(tmp_path, action, fsdp_version):
     """``block``: rank 1's main thread waits forever before layer 1's all-gather (a deadlock, a stuck loader):
     it dumps, and the verdict names it as never having entered the all-gather rank 0 waits in, with its stack.
-    ``stop``: rank 1 SIGSTOPs itself there: no dump; named as stopped responding in that all-gather. Either way
-    within after_s + grace_s + 30 s of the fault, exit 1, one ``error:`` line, no traceback, no process left,
-    and ``shardlight diagnose RUN_DIR`` gives the same verdict."""
+    ``stop``: rank 1 SIGSTOPs itself there: no dump; named as stopped responding in that all-gather.
+    ``raise``: rank 1 raises there: its exception is the run's one line, not rank 0's dead peer.
+    Each within after_s + grace_s + 30 s of the fault, exit 1, one ``error:`` line, no traceback, no process
+    left, and for a hang ``shardlight diagnose RUN_DIR`` gives the same verdict."""
     marks, runs = tmp_path / "marks", tmp_path / "runs"
     env = without_run_env(os.environ)
     env.update(PYTHONPATH=str(REPO), HANG_MARKS=str(marks), HANG_INJECT=f"1:{action}", HANG_STEP="3")
@@ -154,6 +155,14 @@ def test_a_rank_stuck_before_an_all_gather_is_named(tmp_path, action, fsdp_versi
     assert not leftover, leftover
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    run_dir = next(runs.glob("*/*/flight_recorder")).parent
+    if action == "raise":
+        assert errors[0].startswith("error: rank 1: ValueError: injected on rank 1 at step 3 (at "), errors
+        assert "in stuck_before_the_all_gather); traceback in " in errors[0]
+        traceback = (run_dir / "flight_recorder" / "exception_rank_1.txt").read_text()
+        assert traceback.startswith("Traceback") and "ValueError: injected on rank 1 at step 3" in traceback
+        assert not list((run_dir / "flight_recorder").glob("rank_*"))  # an exception, not a hang
+        return
     if action == "block":
         assert errors[0].startswith("error: rank 1 never entered all_gather"), errors
         assert "in stuck_before_the_all_gather" in stderr  # rank 1's stack, where it is
@@ -161,7 +170,6 @@ def test_a_rank_stuck_before_an_all_gather_is_named(tmp_path, action, fsdp_versi
         assert errors[0].startswith("error: rank 1 stopped responding in all_gather"), errors
     assert "which rank 0 waits in" in errors[0] or "rank 0 waits in it" in errors[0]
 
-    run_dir = next(runs.glob("*/*/flight_recorder")).parent
     verdict = json.loads((run_dir / "flight_recorder" / "verdict.json").read_text())
     assert verdict["culprits"] == [1] and verdict["waiting"] == [0]
     assert verdict["kind"] == ("missing" if action == "block" else "stopped")

@@ -287,3 +287,62 @@ def test_verdict_names_exposed_tp_communication():
     assert not any(a.text.startswith("tensor-parallel") for a in plain.actions)
     assert not any(a.text.startswith("tensor-parallel")
                    for a in diagnose(analysis(rank(**comm_bound)), wrap=wrap).actions)
+
+
+@pytest.mark.slow
+def test_gloo_comm_is_split_into_tp_and_fsdp_by_the_flight_recorders_groups(tmp_path):
+    """A gloo trace names no process group; the collectives the flight recorder saw the window issue do. On a
+    dp_shard 2 x tp 2 mesh (tests/workers/tp_groups_worker.py) the split recovers the known truth per rank: per
+    step one all-gather and one reduce-scatter in its FSDP shard group, one all-reduce in its TP group, from the
+    trace file with its collectives beside it and live from the profiler alike; without them, none."""
+    import socket
+
+    from shardlight.callbacks._comm_metrics import window_metrics
+    from shardlight.trace import analyze_trace_file
+    from shardlight.trace.records import issued_path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = REPO / "tests" / "workers" / "tp_groups_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path), str(port)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, KINETO_LOG_LEVEL="6", PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = 3
+    for rank in range(4):
+        trace = tmp_path / f"rank{rank}.pt.trace.json"
+        result = analyze_trace_file(trace)
+        groups = {tuple(g["ranks"]): {k: c["count"] for k, c in g["by_collective"].items()}
+                  for g in result["by_group"].values()}
+        shard, tp = tuple(sorted({rank, rank ^ 2})), tuple(sorted({rank, rank ^ 1}))
+        assert groups == {shard: {"all_gather": steps, "reduce_scatter": steps}, tp: {"all_reduce": steps}}, groups
+        live = json.loads((tmp_path / f"rank{rank}.live.json").read_text())
+        assert live == json.loads(json.dumps(result["by_group"])), rank  # the live path, the same split
+        metrics = window_metrics(result, {}, tp_size=2)
+        assert {k for k in metrics if k.startswith(("comm/tp/", "comm/fsdp/"))} == {
+            "comm/tp/all_reduce_ms", "comm/tp/exposed_ms", "comm/fsdp/all_gather_ms", "comm/fsdp/reduce_scatter_ms",
+            "comm/fsdp/exposed_ms"}
+        assert metrics["comm/tp/all_reduce_ms"] > 0 and metrics["comm/fsdp/all_gather_ms"] > 0
+    issued_path(tmp_path / "rank0.pt.trace.json").unlink()  # a trace alone: every collective in the default group
+    alone = analyze_trace_file(tmp_path / "rank0.pt.trace.json")
+    assert not any(k.startswith("comm/tp/") for k in window_metrics(alone, {}, tp_size=2))
+
+
+def test_the_recorders_collectives_are_matched_to_the_traces_calls_from_the_last():
+    """The recorder may hold collectives from before the trace began and ones no call in the trace shows (a
+    barrier): passed over. A call that finds none gives every call the default group."""
+    from shardlight.trace.records import TraceRecord
+    from shardlight.trace.sources.gloo import call_groups
+
+    def entry(op, group, ranks):
+        return {"op": f"gloo:{op}", "group": group, "desc": "", "ranks": ranks}
+
+    record = TraceRecord(path="x", rank=0, issued=[
+        entry("all_gather", "1", [0, 2]),  # the warm-up step, before the trace
+        entry("all_gather", "1", [0, 2]), entry("barrier", "0", [0, 1, 2, 3]), entry("all_reduce", "3", [0, 1]),
+        entry("all_reduce", "1", [0, 2])])  # gloo runs a reduce-scatter as an all-reduce
+    calls = [(1.0, "all_gather"), (2.0, "all_reduce"), (3.0, "reduce_scatter")]
+    default = ("0", (0, 1, 2, 3), 4)
+    assert call_groups(record, calls, default) == [("1", (0, 2), 2), ("3", (0, 1), 2), ("1", (0, 2), 2)]
+    assert call_groups(record, [(0.0, "broadcast"), *calls], default) == [default] * 4
+    assert call_groups(TraceRecord(path="x", rank=0), calls, default) == [default] * 3

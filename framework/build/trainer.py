@@ -55,7 +55,7 @@ def build_strategy(cfg: RecipeConfig) -> ShardlightFSDPStrategy:
 
 def build_callbacks(cfg: RecipeConfig, ctx: RunContext, measuring: Sequence[Callback] = ()) -> List[Callback]:
     # First: its on_exception prints the clear line before any other callback's on_exception runs.
-    callbacks: List[Callback] = [peer_failure.build()]
+    callbacks: List[Callback] = [peer_failure.build(ctx)]
     callbacks += measuring
     if cfg.trainer.gc_freeze:
         callbacks.append(GcFreezeCallback())

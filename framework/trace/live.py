@@ -122,14 +122,16 @@ def _args(act: Any, cat: str, md: str, linked: Any = None) -> dict:
     return args
 
 
-def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _ASK) -> TraceRecord:
+def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _ASK,
+                   issued: list[dict] | None = None) -> TraceRecord:
     """The TraceRecord ``read_trace`` would make of the trace ``prof`` would export (see the module docstring).
 
     ``prof``: a stopped profiler (or its ``kineto_results``); ``path``: the record's name (what results call
-    ``file``); ``dist_info``: the window's ``distributedInfo`` (default: :func:`distributed_info` now).
+    ``file``); ``dist_info``: the window's ``distributedInfo`` (default: :func:`distributed_info` now);
+    ``issued``: the collectives the window issued (``TraceRecord.issued``, kept beside the file).
     """
     results = _results(prof)
-    record = TraceRecord(path=str(path), rank=0)
+    record = TraceRecord(path=str(path), rank=0, issued=issued)
     record.read_distributed_info(distributed_info() if dist_info is _ASK else dist_info)
     # Every file has float timestamps (Kineto writes "<us>.<ns>", its metadata rows too): HTA rounds them.
     record.float_timestamps = True
@@ -162,7 +164,8 @@ def profile_record(prof: Any, path: str | Path = "<memory>", dist_info: Any = _A
 
 
 def analyze_profile(prof: Any, include_last_step: bool = False, step_name_count: int | None = None,
-                    payload: bool = False, path: str | Path = "<memory>", dist_info: Any = _ASK) -> dict[str, Any]:
+                    payload: bool = False, path: str | Path = "<memory>", dist_info: Any = _ASK,
+                    issued: list[dict] | None = None) -> dict[str, Any]:
     """``analyze_trace_file`` of the trace ``prof`` would export, from memory: the same dict (``file`` is
     ``path``), by the same analysis. Arguments as ``analyze_trace_file`` and :func:`profile_record`."""
-    return _analyze(profile_record(prof, path, dist_info), include_last_step, step_name_count, payload)
+    return _analyze(profile_record(prof, path, dist_info, issued), include_last_step, step_name_count, payload)

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - a declared dependency; gzip gives the 
     _gzip, _IsalError = gzip, zlib.error
 
 from shardlight.errors import ShardlightError
-from shardlight.trace.records import Args, Collector, Event, TraceRecord, event_of, needs_args_dict
+from shardlight.trace.records import Args, Collector, Event, TraceRecord, event_of, needs_args_dict, read_issued
 from shardlight.trace.sources import CPU_ARGS_PREFIXES, CPU_PREFIXES, keep_own_rows
 
 __all__ = ["read_trace", "read_traces"]
@@ -174,6 +174,7 @@ def _read_trace(path: Path, gzip_module: Any = _gzip) -> TraceRecord:
         if event is not None:
             add(event)
     keep_own_rows(record)
+    record.issued = read_issued(path)
     return record
 
 

@@ -12,7 +12,9 @@ the CPU rows whose names start with a prefix some source asked for (``cpu_rows``
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -77,6 +79,9 @@ class TraceRecord:
     # distributedInfo: world_size (None when absent) and pg_config ([{pg_name, pg_size, ranks, ...}])
     world_size: int | None = None
     process_groups: list[dict] = field(default_factory=list)
+    # The collectives this rank issued while the trace recorded, in issue order ({"op", "group", "desc",
+    # "ranks"}), from torch's flight recorder: a gloo trace names no process group. None: not known.
+    issued: list[dict] | None = None
 
     def read_distributed_info(self, info: Any) -> None:
         """rank, world_size and pg_config of a distributedInfo value."""
@@ -261,3 +266,31 @@ class Collector:
             lists = tuple(self.record.cpu_rows[prefix] for prefix in self._prefixes if name.startswith(prefix))
             kept = self._lists_of[name] = lists, bool(self._args_prefixes) and name.startswith(self._args_prefixes)
         return kept
+
+
+# Beside a trace file ``rankR.pt.trace.json``: ``rankR.collectives.json``, the record's ``issued``.
+_TRACE_SUFFIX, _ISSUED_SUFFIX = ".pt.trace.json", ".collectives.json"
+
+
+def issued_path(trace: str | Path) -> Path:
+    """Where the collectives a trace's rank issued are kept, beside the trace (``.gz`` or not)."""
+    trace = Path(trace)
+    name = trace.name.removesuffix(".gz")
+    stem = name.removesuffix(_TRACE_SUFFIX) if name.endswith(_TRACE_SUFFIX) else name.rsplit(".", 1)[0]
+    return trace.with_name(stem + _ISSUED_SUFFIX)
+
+
+def write_issued(trace: str | Path, issued: list[dict] | None) -> None:
+    """Keep ``issued`` (``TraceRecord.issued``) beside the trace file ``trace``; nothing for None."""
+    if issued is not None:
+        issued_path(trace).write_text(json.dumps(issued))
+
+
+def read_issued(trace: str | Path) -> list[dict] | None:
+    """The ``issued`` kept beside ``trace``; None when there is none or it is unreadable (the trace stands
+    without it: its collectives are then in the default group)."""
+    try:
+        issued = json.loads(issued_path(trace).read_text())
+    except (OSError, ValueError):
+        return None
+    return issued if isinstance(issued, list) and all(isinstance(i, dict) for i in issued) else None

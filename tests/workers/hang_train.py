@@ -1,7 +1,8 @@
 """`shardlight train ARGS` where one rank gets stuck just before an FSDP all-gather, for the hang tests.
 
-$HANG_INJECT is ``<rank>:block`` (that rank's main thread waits forever: a deadlock, a stuck data loader) or
-``<rank>:stop`` (it SIGSTOPs itself: a hung host). It happens at optimizer step $HANG_STEP, in a forward
+$HANG_INJECT is ``<rank>:block`` (that rank's main thread waits forever: a deadlock, a stuck data loader),
+``<rank>:stop`` (it SIGSTOPs itself: a hung host) or ``<rank>:raise`` (a ValueError: a bug that shows on one
+rank). It happens at optimizer step $HANG_STEP, in a forward
 pre-hook of the second decoder layer put before FSDP's own (so the layer's all-gather is never issued on that
 rank while the others wait in it). Every rank writes its pid to ``$HANG_MARKS/rank<R>.pid`` at start.
 
@@ -30,6 +31,8 @@ def stuck_before_the_all_gather(module, args):
     (_MARKS / "stuck").write_text(str(os.getpid()))
     if _ACTION == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if _ACTION == "raise":
+        raise ValueError(f"injected on rank {_RANK} at step {_STEP}")
     threading.Event().wait()  # forever
 
 

@@ -13,8 +13,13 @@ A gloo run has no device rows, so this rule stands in for HTA's kernel rules:
   pipeline's (collate), not the model's, so they are not computation;
 * a work item's size comes from its ``Input Dims`` / ``Input type`` (recorded with
   ``record_shapes=True``): this rank's input, which for ``gloo:all_reduce`` running a
-  reduce-scatter is the full input. Its group is the default process group: the annotation does
-  not name one, and c10d's "Sequence number" is 0 for every gloo call (torch 2.13).
+  reduce-scatter is the full input;
+* its process group: the annotation does not name one, and c10d's "Sequence number" is 0 for every
+  gloo call (torch 2.13), but torch's flight recorder does: a run keeps, beside each trace, the
+  collectives its rank issued while the trace recorded (``TraceRecord.issued``). They are matched to
+  the issuing calls in order, from the last (the recorder may hold a few from before the trace began;
+  a collective no call shows, a barrier, is passed over), so each work item gets its call's group
+  and ranks; without them, or when any call finds no match, every item is in the default group.
 """
 
 from __future__ import annotations
@@ -68,6 +73,28 @@ def _issuing_calls(record: TraceRecord, gloo_threads: set) -> list[tuple[float, 
     return calls
 
 
+Group = tuple  # (name, ranks or None, size or None)
+
+
+def call_groups(record: TraceRecord, calls: list[tuple[float, str]], default: Group) -> list[Group]:
+    """The process group of each issuing call (in ``calls``' order), from the record's flight-recorder
+    entries; every call in ``default`` when there are none or one of the calls matches none."""
+    issued = [(op_collective(entry.get("op", "")), entry) for entry in record.issued or []]
+    issued = [(collective, entry) for collective, entry in issued if collective]
+    groups: list[Group] = []
+    index = len(issued) - 1
+    for _, collective in reversed(calls):
+        while index >= 0 and not work_matches(issued[index][0], collective):
+            index -= 1
+        if index < 0:
+            return [default] * len(calls)
+        entry = issued[index][1]
+        ranks = tuple(int(r) for r in entry["ranks"]) if entry.get("ranks") else None
+        groups.append((str(entry.get("group")), ranks, len(ranks) if ranks else default[2]))
+        index -= 1
+    return groups[::-1]
+
+
 def input_bytes(row: CpuRow) -> float:
     """Bytes of a work row's input tensors (its ``Input Dims`` and ``Input type``); NaN if not recorded."""
     args = row.args or {}
@@ -109,23 +136,24 @@ class GlooSource(Source):
     def events(self, record: TraceRecord, rules: TimeRules) -> Events:
         work_rows = record.rows(_WORK)
         gloo_threads = {row.tid for row in work_rows}
+        default = record.default_group()
+        calls = _issuing_calls(record, gloo_threads)
         pending: dict[str, deque] = defaultdict(deque)
-        for start, collective in _issuing_calls(record, gloo_threads):
-            pending[collective].append(start)
+        for (start, collective), group in zip(calls, call_groups(record, calls, default)):
+            pending[collective].append((start, group))
 
-        group, ranks, group_size = record.default_group()
         events = []
         for row in sorted(work_rows, key=lambda r: r.ts):
             work = op_collective(row.name) or UNKNOWN_COLLECTIVE
-            collective, raw_launch = work, row.ts
+            collective, raw_launch, (group, ranks, group_size) = work, row.ts, default
             # FIFO: the earliest still-unmatched compatible call that started before this work did.
             best = None
             for candidate, queue in pending.items():
-                if queue and queue[0] <= row.ts and work_matches(work, candidate):
-                    if best is None or queue[0] < pending[best][0]:
+                if queue and queue[0][0] <= row.ts and work_matches(work, candidate):
+                    if best is None or queue[0][0] < pending[best][0][0]:
                         best = candidate
             if best is not None:
-                collective, raw_launch = best, pending[best].popleft()
+                collective, (raw_launch, (group, ranks, group_size)) = best, pending[best].popleft()
             launch = rules.round_ts(raw_launch)
             if rules.keeps(launch):
                 ts, end = rules.bounds(row.ts, row.dur)
