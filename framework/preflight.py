@@ -22,6 +22,7 @@ from shardlight.adapters import apply_adapters, check_adapter_machine, check_ada
 from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
 from shardlight.build.optimizer import check_optimizer
 from shardlight.build.training_model import reads_into_shards, transformers_reason
+from shardlight.causal_lm import logit_transform
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.fake_tensors import fake_process_group, fake_training_step, shallow_copy, uncheckable
@@ -94,6 +95,7 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
             raise ShardlightError(f"peft.method {cfg.peft.method} with parallelism.tp_size > 1 is not supported yet")
         check_tensor_parallel(skeleton, resolved.parallel)
     check_adapter_targets(skeleton, peft_cfg=cfg.peft)
+    check_loss_chunks(cfg, config)
     # On the meta device, as the ranks will (peft's own refusals surface here); the block classes to wrap
     # are looked up in the wrapped model, as FSDP will.
     with torch.device("meta"):
@@ -199,6 +201,24 @@ def check_packing(skeleton: PreTrainedModel) -> None:
             f"and transformers' masking utilities); {cls.__name__} has none; set data.packing: false")
 
 
+def check_loss_chunks(cfg: RecipeConfig, config: PretrainedConfig) -> None:
+    """``trainer.loss_chunks`` > 1 computes the loss from the output projection's pieces itself: refused for a
+    model that changes its logits after the projection, and with tensor parallelism (a sharded projection)."""
+    chunks = cfg.trainer.loss_chunks
+    if chunks == 1:
+        return
+    transform = logit_transform(config.get_text_config())
+    if transform is not None:
+        raise ShardlightError(f"trainer.loss_chunks {chunks}: {config.model_type} changes its logits after the "
+                              f"output projection ({transform}), which a chunked loss would leave out; use 1")
+    if cfg.parallelism.tp_size > 1:
+        raise ShardlightError(f"trainer.loss_chunks {chunks} with parallelism.tp_size > 1 is not supported yet; "
+                              "use 1")
+    if chunks >= cfg.data.seq_len:
+        raise ShardlightError(f"trainer.loss_chunks {chunks}: more pieces than the {cfg.data.seq_len - 1} "
+                              "positions a sequence has (data.seq_len); use fewer")
+
+
 def check_model_step(cfg: RecipeConfig, config: PretrainedConfig, model: PreTrainedModel, resolved) -> None:
     """One forward, loss and backward of the exact model the ranks build (``model``: its meta skeleton with
     the recipe's dtype, attention, adapters; with its TP plan and the precision's autocast) on fake tensors,
@@ -250,7 +270,8 @@ def _step_failure(cfg: RecipeConfig, model: PreTrainedModel, resolved, *, tensor
                 step_model, micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
                 vocab_size=int(model.config.get_text_config().vocab_size), packing=cfg.data.packing,
                 autocast=torch.bfloat16 if precision == "bf16-mixed" else None,
-                before=None if dims is None else functools.partial(_tensor_parallel, dims=dims))
+                before=None if dims is None else functools.partial(_tensor_parallel, dims=dims),
+                loss_chunks=cfg.trainer.loss_chunks)
     except ShardlightError:
         raise
     except Exception as exc:  # any failure of the model's own code: it is what the ranks would meet

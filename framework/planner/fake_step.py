@@ -107,11 +107,12 @@ def build_sharded_model(hf_config: Any, resolved: ResolvedFSDP, mesh: Any, preci
     return model
 
 
-def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_chunks: int = 1) -> torch.Tensor:
     """shardlight's training loss (``shardlight.causal_lm.loss_sum``: shifted logits upcast to fp32, summed
-    cross-entropy over the supervised tokens) divided by their count, as ``training_step`` does; every token is
-    supervised, none is padding."""
-    total, count = loss_sum(model, {"input_ids": input_ids, "attention_mask": None, "labels": input_ids})
+    cross-entropy over the supervised tokens, in ``loss_chunks`` pieces) divided by their count, as
+    ``training_step`` does; every token is supervised, none is padding."""
+    total, count = loss_sum(model, {"input_ids": input_ids, "attention_mask": None, "labels": input_ids},
+                            loss_chunks)
     return total / count.clamp(min=1)
 
 
@@ -180,7 +181,8 @@ def _phase_tracker(model: torch.nn.Module, optim: torch.optim.Optimizer, ends: O
 
 
 def run_tracked_step(model: torch.nn.Module, optimizer_name: str, micro_batch_size: int, seq_len: int,
-                     vocab_size: int, ends: Optional[int] = None) -> Tuple[Dict[str, int], Dict[str, int], Phases]:
+                     vocab_size: int, ends: Optional[int] = None,
+                     loss_chunks: int = 1) -> Tuple[Dict[str, int], Dict[str, int], Phases]:
     """(peak by category, what forward + loss allocated and left alive by category, each phase's snapshot at
     its peak (``_phase_tracker``'s ``ends``)) of a steady-state step."""
     optim = make_optimizer(optimizer_name, model.parameters())
@@ -206,7 +208,7 @@ def run_tracked_step(model: torch.nn.Module, optimizer_name: str, micro_batch_si
         tracker._peak_mem = {d: snap.get("Total", 0) for d, snap in tracker._peak_mem_snap.items()}
         before = _grouped(tracker.get_tracker_snapshot("current").get(device, {}))
         tracker.part = "forward"
-        loss = shardlight_loss(model, input_ids)
+        loss = shardlight_loss(model, input_ids, loss_chunks)
         after = _grouped(tracker.get_tracker_snapshot("current").get(device, {}))
         tracker.part = "backward"
         loss.backward()
@@ -272,7 +274,7 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
                 micro_batch_size: int, seq_len: int, optimizer: str = "adamw", param_dtype: str = "float32",
                 shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
                 wrap_blocks: bool = True, trust_remote_code: bool = False, tp: int = 1,
-                tp_plan: Optional[Dict[str, str]] = None, scale: bool = True) -> Dict[str, Any]:
+                tp_plan: Optional[Dict[str, str]] = None, scale: bool = True, loss_chunks: int = 1) -> Dict[str, Any]:
     """Rank 0's memory in one steady-state training step of ``strategy`` on ``world_size`` ranks, bytes:
     ``peak`` (the step's highest total), ``peak_by_category`` (params/grads/optim/buffers/activations at that
     moment), ``activations`` (saved by forward + loss, alive when backward starts), ``forward_alive`` (every
@@ -282,7 +284,7 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
 
     Runs under ``FakeTensorMode`` with a fake process group: allocates nothing."""
     args = (world_size, strategy, checkpointing, precision, micro_batch_size, seq_len, optimizer, param_dtype,
-            shard_group_size, block_classes, wrap_blocks, trust_remote_code, tp, tp_plan)
+            shard_group_size, block_classes, wrap_blocks, trust_remote_code, tp, tp_plan, loss_chunks)
     depths = measured_depths(hf_config) if scale and wrap_blocks else None  # one unit: no steady state
     if depths is None:
         step = _step_memory(hf_config, *args)
@@ -296,7 +298,7 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
 def _step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: bool, precision: str,
                  micro_batch_size: int, seq_len: int, optimizer: str, param_dtype: str,
                  shard_group_size: Optional[int], block_classes: Optional[list], wrap_blocks: bool,
-                 trust_remote_code: bool, tp: int, tp_plan: Optional[Dict[str, str]],
+                 trust_remote_code: bool, tp: int, tp_plan: Optional[Dict[str, str]], loss_chunks: int = 1,
                  ends: Optional[int] = None) -> Dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -319,7 +321,7 @@ def _step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: 
                 model = build_sharded_model(hf_config, resolved, mesh, precision, param_dtype, trust_remote_code)
             try:
                 peak, forward, phases = run_tracked_step(model, optimizer, micro_batch_size, seq_len,
-                                                         int(hf_config.vocab_size), ends)
+                                                         int(hf_config.vocab_size), ends, loss_chunks)
             except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
                 raise ShardlightError(f"the model's training step fails ({strategy}{f' tp{tp}' if tp > 1 else ''}): "
                                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"

@@ -119,9 +119,10 @@ class Workload:
     peft: Optional[str] = None         # None: full fine-tuning; lora | qlora: rank-lora_r adapters, base frozen
     lora_r: int = 16
     fsdp_version: int = 1
+    loss_chunks: int = 1               # trainer.loss_chunks: the output projection and loss in pieces
 
     def validate(self) -> None:
-        for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches"):
+        for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches", "loss_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ShardlightError(f"{name.replace('_', '-')} must be a positive integer, got {value}")

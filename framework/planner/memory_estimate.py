@@ -13,7 +13,8 @@ following what FSDP1 (``use_orig_params``, the shardlight default) allocates:
 * activations per micro-batch: per layer and token the tensors a Llama-style block saves for backward
   (norm inputs/outputs, q/k/v, attention output, 4 MLP intermediates; eager attention adds the S×S scores
   and probabilities per head), the fp32 log-softmax of the logits (shardlight's loss upcasts them), and the
-  transient at the start of backward (gradients of the log-softmax output and of its fp32 input).
+  transient at the start of backward (gradients of the log-softmax output and of its fp32 input); with
+  ``trainer.loss_chunks`` N, no logits kept and one N-th of that transient (each piece recomputed in backward).
   With activation checkpointing: each block's input only; the transient is the larger of the logits
   gradients and one block recomputed with its gradients. Gradients are freed after each optimizer step,
   so the peak is parameters + optimizer state + buffers + max(activations, gradients + one layer's).
@@ -85,6 +86,11 @@ def activation_bytes(spec: ModelSpec, work: Workload, checkpointing: bool, tp: i
     logits = tokens * spec.vocab_size * 4                            # fp32 log-softmax output, kept for backward
     # Start of backward: the gradient of the log-softmax output and of its input (fp32), both alive at once.
     logits_grad = tokens * spec.vocab_size * 8
+    if work.loss_chunks > 1:
+        # trainer.loss_chunks: nothing kept for backward; one piece at a time, recomputed in backward: its logits
+        # (fp32, and the 16-bit output they are upcast from), their log-softmax and the two gradients (the fake
+        # step reads 14 and 17 bytes per logit under bf16-mixed and 32-true).
+        logits, logits_grad = 0.0, tokens / work.loss_chunks * spec.vocab_size * (16 if c >= 4 else 12 + c)
     if checkpointing:
         saved = spec.num_layers * h * c * tokens                     # each block's input only
         transient = max(logits_grad, 2 * block)                      # or one block recomputed + its grads

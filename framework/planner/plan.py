@@ -207,7 +207,7 @@ def workload_from_recipe(cfg: RecipeConfig) -> Workload:
                     accumulate_grad_batches=t.accumulate_grad_batches, precision=t.precision,
                     param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa",
                     optimizer=cfg.optim.name, peft=cfg.peft.method, lora_r=cfg.peft.r,
-                    fsdp_version=cfg.fsdp.fsdp_version)
+                    fsdp_version=cfg.fsdp.fsdp_version, loss_chunks=t.loss_chunks)
     if cfg.fsdp.backward_prefetch == "NO_PREFETCH":
         work.prefetch = 0
     return work

@@ -211,6 +211,13 @@ class TrainerConfig:
         default=1800,
         metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."},
     )
+    loss_chunks: int = field(
+        default=1,
+        metadata={"positive": True,
+                  "help": "Run the output projection and the loss on this many pieces of the sequence, each "
+                          "recomputed in backward: the [batch, seq, vocab] fp32 logits never exist, the loss is "
+                          "the same (1: in one piece)."},
+    )
     flight_recorder_entries: int = field(
         default=2000,
         metadata={"non_negative": True,
