@@ -188,3 +188,20 @@ def test_profile_gives_every_strategy_run_the_same_verdict(tmp_path, monkeypatch
     assert "([report](diagnosis/full_shard/report.md))" in lines[2]
     assert lines[-2].startswith("- **NO_SHARD**: no diagnosis (")
     assert report.table_rows({"runs": runs})[0][-1] == "compute-bound"
+
+
+def test_apply_writes_the_runs_recipe_with_the_top_actions_change(tmp_path, capsys, monkeypatch):
+    """``--apply``: RUN_DIR/recipe-next.yaml is the run's recipe with the first action's recipe change, and loads
+    as ``shardlight train`` will load it; a folder of traces has no recipe to change (one line, exit 2)."""
+    monkeypatch.setattr(run_inputs, "analyze_traces", with_split)
+    run = make_run_dir(tmp_path, world=2)
+    out_json = tmp_path / "d.json"
+    assert main(["diagnose", str(run), "--json", str(out_json), "--apply"]) == 0
+    actions = json.loads(out_json.read_text())["diagnosis"]["actions"]
+    change = next(a["change"] for a in actions if a.get("change"))
+    assert f"wrote {run / 'recipe-next.yaml'} ({change})" in capsys.readouterr().out
+    applied = load_recipe(str(run / "recipe-next.yaml"))
+    assert applied == load_recipe(str(run / "recipe.yaml"), change.split())
+    assert applied != load_recipe(str(run / "recipe.yaml"))
+    expect_error(capsys, ["diagnose", str(write_traces(tmp_path / "traces")), "--apply"],
+                 "--apply needs a run directory")

@@ -33,6 +33,8 @@ def add_parsers(subparsers: Any) -> None:
                         help="a shardlight run directory, or a directory of per-rank profiler traces")
     parser.add_argument("--json", metavar="OUT", dest="json_out", help="write the diagnosis as JSON")
     parser.add_argument("--report", metavar="DIR", dest="report_dir", help="write report.md and PNG plots here")
+    parser.add_argument("--apply", action="store_true",
+                        help="write RUN_DIR/recipe-next.yaml: the run's recipe with the top action's recipe change")
     parser.set_defaults(func=run_diagnose)
 
 
@@ -49,6 +51,31 @@ def planner_alternatives(inputs: RunInputs) -> tuple:
         return alternatives_on_device(cfg, build_hf_config(cfg.model), inputs.memory)
     except Exception as exc:  # noqa: BLE001 - the diagnosis stands without the planner's costing (bad recipe)
         return [], f"planner alternatives unavailable ({first_line(exc)})"
+
+
+NEXT_RECIPE = "recipe-next.yaml"
+
+
+def apply_top_action(run_dir: Optional[Path], diagnosis: Any) -> Path:
+    """Write ``run_dir/recipe-next.yaml``: the run's recipe (``recipe.yaml``) with the recipe change of the
+    verdict's first action that has one, validated as ``shardlight train`` will load it."""
+    from shardlight.recipe import load_recipe, to_yaml
+
+    if run_dir is None or not (run_dir / "recipe.yaml").is_file():
+        raise ShardlightError("--apply needs a run directory (one with recipe.yaml), not a folder of traces")
+    action = next((a for a in diagnosis.actions if a.change), None)
+    if action is None:
+        raise ShardlightError(f"--apply: no action of the {diagnosis.verdict} verdict is a recipe change "
+                              "(they are checks of the machine); nothing written")
+    cfg = load_recipe(str(run_dir / "recipe.yaml"), action.change.split())
+    out = run_dir / NEXT_RECIPE
+    try:
+        out.write_text(f"# {run_dir / 'recipe.yaml'} with `shardlight diagnose --apply`: {action.change}\n"
+                       f"# ({action.text}; expected: {action.effect})\n" + to_yaml(cfg))
+    except OSError as exc:
+        raise ShardlightError(f"cannot write {out}: {exc.strerror or exc}") from None
+    print(f"wrote {out} ({action.change}); run it: shardlight train {out}")
+    return out
 
 
 def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
@@ -97,6 +124,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
         write_json(args.json_out, {"window": str(inputs.trace_dir), "step": inputs.window_step,
                                    "diagnosis": diagnosis.to_dict(), "alternatives": alternatives})
         print(f"wrote {args.json_out}")
+    if args.apply:
+        apply_top_action(inputs.run_dir, diagnosis)
     if args.report_dir:
         try:
             report = write_report(args.report_dir, diagnosis, inputs.analysis, memory=inputs.memory,
