@@ -185,3 +185,21 @@ def test_a_rank_stuck_before_an_all_gather_is_named(tmp_path, action, fsdp_versi
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(out.read_text())["hang"] == verdict
+
+
+@pytest.mark.slow
+def test_a_slow_start_is_not_a_collective_timeout(tmp_path):
+    """The ranks meet under trainer.startup_timeout_s, not the collective timeout: rank 1 starts 20 s late with
+    collective_timeout_s=10 and the run trains. (That a collective still gives up after collective_timeout_s,
+    on every group, is what the SIGSTOP tests of tests/test_checkpoint.py see.)"""
+    env = without_run_env(os.environ)
+    env.update(PYTHONPATH=str(REPO), LATE_RANK_S="20")
+    worker = REPO / "tests" / "workers" / "late_rank_train.py"
+    result = subprocess.run(
+        [sys.executable, str(worker), "train", str(DEFAULT_RECIPE), f"output_dir={tmp_path}",
+         "callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false",
+         "logging.wandb.enabled=false", "trainer.progress_bar=false", "trainer.max_steps=2",
+         "trainer.limit_val_batches=0", "export.at_end=false", "trainer.collective_timeout_s=10",
+         "trainer.startup_timeout_s=120"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "shardlight: 2 steps" in result.stdout

@@ -50,6 +50,7 @@ def build_strategy(cfg: RecipeConfig) -> ShardlightFSDPStrategy:
     return ShardlightFSDPStrategy(
         resolve_recipe_fsdp(cfg), precision=t.precision, num_nodes=t.num_nodes, devices=t.devices,
         num_threads=t.num_threads, timeout=timedelta(seconds=t.collective_timeout_s),
+        startup_timeout=timedelta(seconds=t.startup_timeout_s),
     )
 
 

@@ -211,6 +211,12 @@ class TrainerConfig:
         default=1800,
         metadata={"positive": True, "help": "Seconds a collective may wait for a dead or hung rank before failing."},
     )
+    startup_timeout_s: int = field(
+        default=1800,
+        metadata={"positive": True,
+                  "help": "Seconds the ranks may take to meet when the run starts (the slowest rank's imports and "
+                          "data preparation), apart from collective_timeout_s."},
+    )
     loss_chunks: int = field(
         default=1,
         metadata={"positive": True,

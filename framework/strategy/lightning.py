@@ -74,7 +74,9 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         num_nodes: ``trainer.num_nodes``.
         devices: ``trainer.devices``, the ranks on each node; on CPU they share the node's cores.
         num_threads: torch intra-op threads per rank on CPU (None: the node's cores / ``devices``).
-        timeout: how long a collective may wait before failing.
+        timeout: how long a collective may wait before failing (every process group of the run's).
+        startup_timeout: how long the ranks may take to meet when the process group starts (the rendezvous:
+            the slowest rank's imports and data preparation); None: ``timeout``.
 
     After setup, ``wrap_report`` holds the wrap report (units, parameters per unit, warnings).
     """
@@ -90,11 +92,12 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         devices: int = 1,
         num_threads: Optional[int] = None,
         timeout: timedelta = timedelta(minutes=30),
+        startup_timeout: Optional[timedelta] = None,
     ) -> None:
         super().__init__(
             # The Trainer adopts a strategy's plugin; "32" and the like unified as the Trainer does.
             precision_plugin=DeviceAutocastFSDPPrecision(_convert_precision_to_unified_args(precision)),
-            timeout=timeout,
+            timeout=startup_timeout or timeout,  # what init_process_group waits: the rendezvous
             mixed_precision=fsdp1_mixed_precision(resolved) if resolved.version == 1 else None,
             state_dict_type="sharded" if resolved.state_dict_type == "SHARDED_STATE_DICT" else "full",
             # The parent's setup_optimizers reads it: without original parameters it checks the optimizer
@@ -105,6 +108,7 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         self.resolved = resolved
         self._local_ranks = devices
         self.num_threads = num_threads
+        self.collective_timeout = timeout
         self.wrap_report: Optional[Dict[str, Any]] = None
         self._fsdp1_root: Optional[nn.Module] = None
         self._fsdp2_root: Optional[nn.Module] = None
@@ -123,6 +127,17 @@ class ShardlightFSDPStrategy(FSDPStrategy):
             self._mesh = fsdp2_mesh(self.resolved, device_type, self.world_size)
         else:
             self._mesh = fsdp1_mesh(self.resolved, device_type)
+        self._set_collective_timeouts()
+
+    def _set_collective_timeouts(self) -> None:
+        """The collective timeout on every process group this rank has made so far (the default one waited the
+        start-up timeout to meet; DeviceMesh makes its groups with torch's default, 30 minutes)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        for group in list(dist.distributed_c10d._world.pg_names):  # noqa: SLF001 - c10d's registry of groups
+            dist.distributed_c10d._set_pg_timeout(self.collective_timeout, group)  # noqa: SLF001
 
     @property
     @override
@@ -166,6 +181,7 @@ class ShardlightFSDPStrategy(FSDPStrategy):
         if isinstance(root, FSDPModule):
             return model
         self._fsdp2_root, report = apply_fsdp2(root, self.resolved, self._mesh)
+        self._set_collective_timeouts()  # the groups of the data-parallel sub-mesh, made while sharding
         self._publish(report)
         if has_meta_parameters(root):
             materialize(root, self.root_device)
