@@ -254,8 +254,7 @@ def test_sigkill_one_rank_other_exits_with_clear_message(tiny, tmp_path, victim)
 
 EXPORT_FAULT_WORKER = REPO / "tests" / "workers" / "export_fault_train.py"
 PR_SET_CHILD_SUBREAPER = 36
-# The collective timeout also bounds the start-up rendezvous: rank 1 imports and tokenizes first, slowly on a
-# loaded machine: 15 s, as the SIGKILL tests use, is several times what it takes.
+# How long the survivor waits for the stopped peer (the rendezvous has trainer.startup_timeout_s of its own).
 EXPORT_FAULT_TIMEOUT_S = 15
 
 
