@@ -203,3 +203,27 @@ def test_a_slow_start_is_not_a_collective_timeout(tmp_path):
          "trainer.startup_timeout_s=120"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "shardlight: 2 steps" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_tp_hang_on_four_gloo_ranks_names_the_tp_group(tmp_path):
+    """Real dumps (tests/workers/tp_groups_worker.py hang): dp_shard 2 x tp 2 on 4 gloo ranks; rank 3 stops before
+    the RowwiseParallel layer, rank 2 waits in their TP all-reduce, ranks 0 and 1 in FSDP's reduce-scatter (gloo
+    runs it as an all-reduce) of their shard groups. The verdict is the TP group and rank 3, with its stack."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = REPO / "tests" / "workers" / "tp_groups_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path), str(port), "hang"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, KINETO_LOG_LEVEL="6", PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = hang_report(tmp_path / "flight_recorder")
+    assert verdict.kind == "missing", verdict.lines
+    assert (verdict.culprits, verdict.waiting) == ([3], [2])
+    assert verdict.group == "the tensor-parallel group (mesh_tp: ranks 2, 3)"
+    assert verdict.collective.startswith("all_reduce #")
+    text = "\n".join(verdict.lines)
+    assert "rank 0: waiting in all_reduce" in text and "of the FSDP shard group (mesh_dp_shard: ranks 0, 2)" in text
+    assert "register_forward_pre_hook" in text  # rank 3's stack: where it stopped
