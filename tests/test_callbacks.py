@@ -200,7 +200,8 @@ def test_full_shard_live_comm_time_matches_shardlight_analyze(full_shard_run, tm
     rows = read_csv(run_dir)
     for start in (5, 20):
         window = run_dir / "traces" / f"step_{start:06d}"
-        assert sorted(p.name for p in window.iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+        assert sorted(p.name for p in window.iterdir()) == ["rank0.collectives.json", "rank0.pt.trace.json",
+                                                           "rank1.collectives.json", "rank1.pt.trace.json"]
         out = tmp_path / f"analysis_{start}.json"
         result = cli(["analyze", str(window), "--json", str(out)])
         assert result.returncode == 0, result.stderr[-3000:]

@@ -18,7 +18,7 @@ from shardlight.trace.events import TimeRules
 from shardlight.trace.metrics import UNASSIGNED_STEP, collect_step_names, measure_record, prepare
 from shardlight.trace.payload import ALL, build_payload
 from shardlight.trace.reader import read_trace, read_traces
-from shardlight.trace.records import TraceRecord
+from shardlight.trace.records import ISSUED_SUFFIX, TraceRecord
 from shardlight.trace.sources import source_for
 from shardlight.trace.wait_transfer import TIMELINE, cross_rank
 
@@ -37,7 +37,8 @@ SUMMARY_METRICS = (
 
 
 def is_trace_name(path: Path) -> bool:
-    return path.name.endswith(TRACE_SUFFIXES)
+    """A trace file's name; not the collectives kept beside one (``records.issued_path``)."""
+    return path.name.endswith(TRACE_SUFFIXES) and not path.name.endswith(ISSUED_SUFFIX)
 
 
 def _directory_files(directory: Path) -> list[Path]:

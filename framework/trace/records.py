@@ -269,7 +269,7 @@ class Collector:
 
 
 # Beside a trace file ``rankR.pt.trace.json``: ``rankR.collectives.json``, the record's ``issued``.
-_TRACE_SUFFIX, _ISSUED_SUFFIX = ".pt.trace.json", ".collectives.json"
+_TRACE_SUFFIX, ISSUED_SUFFIX = ".pt.trace.json", ".collectives.json"
 
 
 def issued_path(trace: str | Path) -> Path:
@@ -277,7 +277,7 @@ def issued_path(trace: str | Path) -> Path:
     trace = Path(trace)
     name = trace.name.removesuffix(".gz")
     stem = name.removesuffix(_TRACE_SUFFIX) if name.endswith(_TRACE_SUFFIX) else name.rsplit(".", 1)[0]
-    return trace.with_name(stem + _ISSUED_SUFFIX)
+    return trace.with_name(stem + ISSUED_SUFFIX)
 
 
 def write_issued(trace: str | Path, issued: list[dict] | None) -> None:

@@ -42,7 +42,9 @@ def _dump_after(seconds: float, rank: int, folder: Path) -> None:
         data = recorder_dump()
         data["shardlight"] = {"rank": rank, "world_size": 4, "stack": _main_thread_stack(), "idle_s": seconds}
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"rank_{rank}").write_bytes(pickle.dumps(data))
+        partial = folder / f".rank_{rank}.partial"
+        partial.write_bytes(pickle.dumps(data))
+        partial.replace(folder / f"rank_{rank}")  # whole or absent, as the watchdog writes it
         deadline = time.time() + 60  # leave once every rank has dumped: an exit breaks the others' collectives
         while len(list(folder.glob("rank_*"))) < 4 and time.time() < deadline:
             time.sleep(0.1)
@@ -87,7 +89,10 @@ def worker(rank: int, out: str, port: int, hang: bool) -> None:
         if rank == 3:
             model[2].register_forward_pre_hook(lambda module, args: threading.Event().wait(), prepend=True)
         _dump_after(5.0, rank, Path(out) / "flight_recorder")
-        model(x).sum().backward()
+        try:
+            model(x).sum().backward()
+        except RuntimeError:  # a rank that dumped and left closed this one's collective: its dump thread exits
+            threading.Event().wait()
     dist.destroy_process_group()
 
 
