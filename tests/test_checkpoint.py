@@ -480,10 +480,14 @@ def test_checkpoint_keys_and_collective_timeout():
     from shardlight.recipe import load_recipe
 
     cfg = load_recipe(None, ["checkpoint.every_n_steps=7", "checkpoint.keep_last=null", "resume=auto",
-                             "resume_dir=/x", "export.checkpoint=true", "trainer.collective_timeout_s=45"])
+                             "resume_dir=/x", "export.checkpoint=true", "trainer.collective_timeout_s=45",
+                             "trainer.startup_timeout_s=300"])
     assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, cfg.resume, cfg.export.checkpoint) == (7, None, "auto", True)
-    assert build_strategy(cfg)._timeout == timedelta(seconds=45)
-    for bad in ("checkpoint.keep_last=0", "checkpoint.every_n_steps=-1", "trainer.collective_timeout_s=0"):
+    strategy = build_strategy(cfg)
+    # init_process_group waits the start-up timeout (Lightning's _timeout); the collectives, the other
+    assert (strategy._timeout, strategy.collective_timeout) == (timedelta(seconds=300), timedelta(seconds=45))
+    for bad in ("checkpoint.keep_last=0", "checkpoint.every_n_steps=-1", "trainer.collective_timeout_s=0",
+                "trainer.startup_timeout_s=0"):
         with pytest.raises(ShardlightError):
             load_recipe(None, [bad])
 
