@@ -84,9 +84,6 @@ class RankDump:
     def last_in(self, group: str) -> Optional[Collective]:
         return next((c for c in reversed(self.collectives) if c.group == group), None)
 
-    def last_finished(self) -> Optional[Collective]:
-        return next((c for c in reversed(self.collectives) if c.finished), None)
-
 
 @dataclass
 class Groups:
@@ -124,7 +121,7 @@ def _mb(nbytes: int) -> str:
 
 def read_dumps(folder: Path) -> Tuple[Dict[int, RankDump], Groups, Dict[str, Any]]:
     """Every ``rank_<R>`` dump in ``folder`` (torch's pickle format), the groups they name, and the run facts
-    shardlight put beside them (``world_size``, the watchdog's limit); a file that is not a dump is skipped."""
+    shardlight put beside them (``world_size``); a file that is not a dump is skipped."""
     dumps: Dict[int, RankDump] = {}
     groups = Groups()
     facts: Dict[str, Any] = {}
@@ -150,7 +147,8 @@ def read_dumps(folder: Path) -> Tuple[Dict[int, RankDump], Groups, Dict[str, Any
         for e in entries:
             groups.desc.setdefault(str(e["process_group"][0]), str(e["process_group"][1]))
         extra = dump.get("shardlight") or {}
-        facts.update({k: v for k, v in extra.items() if k in ("world_size", "after_s")})
+        if extra.get("world_size"):
+            facts["world_size"] = extra["world_size"]
         dumps[rank] = RankDump(rank=rank, collectives=collectives, groups=own, stack=extra.get("stack"),
                                idle_s=extra.get("idle_s"), step=extra.get("step"))
     return dumps, groups, facts
