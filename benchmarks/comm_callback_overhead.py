@@ -13,7 +13,10 @@ a step timer on every rank, validation and checkpoints off (not in a step), W&B 
   candidate as it does now (from the profiler's memory, the trace written after): the effect of that change;
 * ``--arms recorder`` (``benchmarks/flight_recorder_overhead.py``): both arms with the callback off; baseline
   without torch's flight recorder and the hang watchdog (``trainer.flight_recorder_entries=0``,
-  ``callbacks.hang.enabled=false``), the candidate with both, as every run has them by default.
+  ``callbacks.hang.enabled=false``), the candidate with both, as every run has them by default;
+* ``--arms compile`` (``benchmarks/compile_speed.py``): both arms with the callback off; baseline as the recipe,
+  candidate ``compile=true``. The compile itself falls in the first step, before the measured loop; a figure
+  (the step-time ratio, tokens/s its inverse), not a target: CPU inductor says little about a GPU.
 
 Metrics per run (the timer: wall time from one optimizer step's end to the next, every hook included):
 
@@ -73,6 +76,9 @@ ARMS = {
                  {"baseline": ["callbacks.comm.enabled=false", "trainer.flight_recorder_entries=0",
                                "callbacks.hang.enabled=false"],
                   "candidate": ["callbacks.comm.enabled=false"]}),
+    "compile": ("compile_speed", "compile: false", "compile: true (each block, inductor)",
+                {"baseline": ["callbacks.comm.enabled=false"],
+                 "candidate": ["callbacks.comm.enabled=false", "compile=true"]}),
 }
 
 
@@ -310,6 +316,8 @@ def main(argv=None) -> int:
                          target=1.01, bound="upper", min_pairs=args.pairs, max_pairs=max(args.pairs, args.max_pairs),
                          budget_s=args.budget_s, started=started)
     result["arms"] = dict(zip(("baseline", "candidate"), ARMS[args.arms][1:3]))
+    if args.arms == "compile":
+        result["note"] = "a figure, not a target: tokens/s ratio = 1 / loop_step_s ratio; CPU inductor"
     result["steps"], result["warmup"], result["windows"] = args.steps, WARMUP, bench.windows
     result["every_n_steps"] = bench.comm.every_n_steps
     for arm, overheads in bench.overheads.items():  # the old amortized figure, per arm with windows

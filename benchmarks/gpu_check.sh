@@ -8,6 +8,9 @@
 #   qlora     a short QLoRA run (4-bit base, bitsandbytes) that must finish and export its adapter
 #   peer      benchmarks/gpu/peer_compare.py: shardlight vs a raw torch FSDP loop vs Accelerate's FSDP, same
 #             model and settings: step time, tokens/s, MFU as one JSON line
+#   compile   (last: started only while the budget lasts) benchmarks/gpu/compile_compare.py: the train
+#             step's run with compile: false and true (2 pairs, ABBA): tokens/s per device and compile
+#             seconds as one JSON line (compile_speed_gpu)
 #   strategy  benchmarks/strategy_overhead.py --pairs 4 --budget-s 60 (gloo, CPU ranks, GPU hidden)
 #   comm      benchmarks/comm_callback_overhead.py --pairs 4 --budget-s 60
 #             (on 4 December both ran past their 130 s cap with no output: the budget did not bind below
@@ -29,7 +32,7 @@
 #
 # Environment: GPU_CHECK_PYTHON (default python3: the machine's), GPU_CHECK_SITE (default a fresh
 # /tmp/shardlight-gpu-check.XXXXXX), GPU_CHECK_BUDGET_S (default 470: the steps stop being started when it is
-# spent; set-up excluded), GPU_CHECK_STEPS (default "train analyze 8b qlora peer strategy comm").
+# spent; set-up excluded), GPU_CHECK_STEPS (default "train analyze 8b qlora peer strategy comm compile").
 #
 # OUT_DIR receives at most 8 files (the device tool brings back 8): gpu_check.log (everything), steps.json
 # (each step's exit status and seconds), summary.json, summary-8b.json (with its metrics) and qlora-summary.json
@@ -163,7 +166,7 @@ export SHARDLIGHT_BENCH_RESULTS="$OUT/results.jsonl"
 : >"$SHARDLIGHT_BENCH_RESULTS"
 : >"$SITE/steps.jsonl"
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-470} ))
-STEPS="${GPU_CHECK_STEPS:-train analyze 8b qlora peer strategy comm}"
+STEPS="${GPU_CHECK_STEPS:-train analyze 8b qlora peer strategy comm compile}"
 FAILED=()
 
 # step NAME CAP_S COMMAND...: runs COMMAND under `timeout min(CAP_S, time left)`, output into the log.
@@ -200,6 +203,7 @@ step qlora 120 "$PY" benchmarks/gpu/qlora_check.py "$SITE/work/qlora-base" "$OUT
 step peer 150 "$PY" benchmarks/gpu/peer_compare.py --steps 40 --warmup 10
 step strategy 130 "$PY" benchmarks/strategy_overhead.py --pairs 4 --budget-s 60
 step comm 130 "$PY" benchmarks/comm_callback_overhead.py --pairs 4 --budget-s 60
+step compile 150 "$PY" benchmarks/gpu/compile_compare.py --pairs 2 "${TRAIN_ARGS[@]}" callbacks.comm.enabled=false
 # Opt-in (GPU_CHECK_STEPS=pytest, its own call): the CPU tests of the strategy, checkpoint and tensor-parallel
 # layers under the machine's torch 2.11 (this project's .venv has 2.13), the GPU hidden as in CI.
 step pytest 420 env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -x -p no:cacheprovider -n 8 \

@@ -38,6 +38,7 @@ from shardlight.callbacks._common import Findings, Shared, define_wandb_group, i
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import ThroughputConfig
 from shardlight.run_context import RunContext
+from shardlight.strategy.activation_checkpointing import compile_seconds
 
 # Dense (no sparsity) peak TFLOP/s per device, from NVIDIA's datasheets. Longest matching name wins.
 PEAK_TFLOPS: Dict[str, Dict[str, float]] = {
@@ -146,6 +147,7 @@ class ThroughputCallback(Callback):
         self._last_step = -1
         self._clock: Optional[float] = None
         self._excluded = 0.0
+        self._compile_mark = 0.0
         self._val_started: Optional[float] = None
 
     def _reset(self) -> None:
@@ -212,6 +214,7 @@ class ThroughputCallback(Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
         self._clock = time.perf_counter()
         self._excluded = 0.0
+        self._compile_mark = compile_seconds()  # a recompile inside the interval is not step time
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,7 +231,8 @@ class ThroughputCallback(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = max(1e-9, time.perf_counter() - self._clock - self._excluded)
+        compiling = compile_seconds() - self._compile_mark
+        elapsed = max(1e-9, time.perf_counter() - self._clock - self._excluded - compiling)
         tokens = float(self._tokens.item() if isinstance(self._tokens, torch.Tensor) else self._tokens)
         # With tensor parallelism tp_size ranks compute one batch together: per device, each sees 1/tp_size of it.
         share = 1.0 / self.tp_size

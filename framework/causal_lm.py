@@ -62,10 +62,12 @@ def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
     logits upcast to fp32), and their count. The one definition: training, validation and the planner's fake
     step all call it.
 
-    A packed block (``position_ids`` restarting at each example) is given no attention mask and no KV cache:
-    that is how transformers recognises packing and keeps attention inside each example (it ignores packing when
-    it builds a cache). Other batches keep transformers' defaults, which the planner's fake step measures: on
-    fake tensors, the packing check itself would make a mask the real step never makes.
+    No batch builds a KV cache (``use_cache=False``): a cache would keep every block's keys and values alive
+    for the whole step, past activation checkpointing, and grow between a checkpointed block's forward and its
+    recompute. A packed block (``position_ids`` restarting at each example) is given no attention mask: that is
+    how transformers recognises packing and keeps attention inside each example. Other batches keep their
+    attention mask, which the planner's fake step measures: on fake tensors, the packing check itself would make
+    a mask the real step never makes.
 
     ``chunks`` > 1 (``trainer.loss_chunks``): the output projection and the loss run on that many pieces of the
     sequence, each recomputed in backward (:func:`chunked_output_loss`), so the ``[batch, seq, vocab]`` fp32
@@ -73,7 +75,7 @@ def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
     if batch.get("position_ids") is not None:
         inputs = {"position_ids": batch["position_ids"], "use_cache": False}
     else:
-        inputs = {"attention_mask": batch["attention_mask"]}
+        inputs = {"attention_mask": batch["attention_mask"], "use_cache": False}
     labels = batch["labels"][:, 1:]
     count = (labels != IGNORE_INDEX).sum()
     if chunks > 1:

@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +50,7 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
     if ctx.launcher == "local" and not _uses_gpu(cfg):  # Lightning is about to spawn the ranks right here
         check_cpu_ranks(cfg)
     check_data(cfg)
+    check_compile(cfg)
     check_optimizer(cfg.optim, _uses_gpu(cfg))
     check_adapter_machine(cfg, uses_gpu=_uses_gpu(cfg))
     tokenizer = build_tokenizer(cfg)
@@ -81,6 +83,16 @@ def preflight(cfg: RecipeConfig, ctx: Optional[RunContext] = None, notes: Option
     return tokenizer
 
 
+def check_compile(cfg: RecipeConfig) -> None:
+    """``compile: true`` on CPU needs a C++ compiler: inductor writes and builds C++ kernels there."""
+    if not cfg.compile or _uses_gpu(cfg):
+        return
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    if not any(shutil.which(name) for name in names):
+        raise ShardlightError(f"compile: true on CPU needs a C++ compiler for torch.compile's kernels (none of "
+                              f"{', '.join(names)} found on PATH); install one, set CXX, or set compile: false")
+
+
 def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
                 step: bool = True) -> Tuple[PreTrainedModel, Optional[list]]:
     """Everything about the model itself: it builds (on the meta device, as the ranks build it), takes packed
@@ -103,6 +115,8 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
     classes = None
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
+    elif cfg.compile or cfg.fsdp.activation_checkpointing:  # both act per block, whatever the FSDP units
+        find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
     check_tied_weights(skeleton, unit_modules(skeleton, resolved.auto_wrap_policy,
                                               cfg.fsdp.transformer_cls_names_to_wrap, resolved.min_num_params))
     if step:

@@ -26,6 +26,7 @@ from shardlight.recipe import RecipeConfig, to_yaml
 from shardlight.recipe.validate import max_shard_bytes
 from shardlight.run_context import RunContext
 from shardlight.strategy import resolve_recipe_fsdp
+from shardlight.strategy.activation_checkpointing import compile_seconds
 
 
 class Instrument(Protocol):
@@ -181,6 +182,8 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         summary.update(instrument.after_fit(trainer, module, cfg, run_dir))
     if cfg.trainer.on_nonfinite == "skip":
         summary["nonfinite_skips"] = module.nonfinite_skips
+    if cfg.compile:  # rank 0's compile time, apart from the step time (throughput leaves it out)
+        summary["compile_s"] = round(compile_seconds(), 2)
     summary.update(_checkpoint_summary(cfg, trainer, run_dir))
     if trainer.is_global_zero:
         write_json(run_dir / "summary.json", summary)
@@ -189,5 +192,6 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
         losses = "" if module.first_val_loss is None else (
             f", val loss {module.first_val_loss:.4f} -> {module.last_val_loss:.4f}")
         where = f"model in {model_dir}" if model_dir else "no export (export.at_end: false)"
-        print(f"shardlight: {summary['steps']} steps{losses}, {where}")
+        compiled = f", compile {summary['compile_s']:.1f} s" if "compile_s" in summary else ""
+        print(f"shardlight: {summary['steps']} steps{losses}{compiled}, {where}")
     return summary

@@ -57,7 +57,8 @@ Phases = Dict[Tuple[str, Any], Dict[str, int]]  # (part of the step, last block 
 
 def resolved_fsdp(strategy: str, world_size: int, checkpointing: bool, precision: str,
                   shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
-                  wrap_blocks: bool = True, tp: int = 1, tp_plan: Optional[Dict[str, str]] = None) -> ResolvedFSDP:
+                  wrap_blocks: bool = True, tp: int = 1, tp_plan: Optional[Dict[str, str]] = None,
+                  checkpointing_mode: str = "full", checkpointing_every: int = 1) -> ResolvedFSDP:
     """The ``ResolvedFSDP`` training would apply for this configuration (FSDP2): ``strategy``'s reshard and
     mesh (NO_SHARD: a (world, 1) replicate x shard mesh, DDP's memory with FSDP's mixed-precision casts;
     HYBRID_SHARD: shard groups of ``shard_group_size``), the blocks as units (``wrap_blocks`` False: NO_WRAP),
@@ -74,6 +75,8 @@ def resolved_fsdp(strategy: str, world_size: int, checkpointing: bool, precision
         mixed_precision="bf16" if precision == "bf16-mixed" else None, sync_module_states=False,
         backward_prefetch=None, forward_prefetch=False, limit_all_gathers=False, use_orig_params=True,
         state_dict_type="FULL_STATE_DICT", activation_checkpointing=checkpointing, cpu_offload=False,
+        activation_checkpointing_offload=False, activation_checkpointing_mode=checkpointing_mode,
+        activation_checkpointing_every=checkpointing_every,
         cpu_ram_efficient_loading=False, auto_wrap_policy="TRANSFORMER_BASED_WRAP" if wrap_blocks else "NO_WRAP",
         transformer_cls_names_to_wrap=block_classes, min_num_params=None, sync_each_batch=False,
         wrap_report_tiny_unit_params=1_000_000,
@@ -221,7 +224,7 @@ def run_tracked_step(model: torch.nn.Module, optimizer_name: str, micro_batch_si
     return _grouped(peak), grown, tracker.phases
 
 
-def measured_depths(hf_config: Any) -> Optional[Tuple[int, int]]:
+def measured_depths(hf_config: Any, checkpointing_every: int = 1) -> Optional[Tuple[int, int]]:
     """The two depths (a, b) whose steps ``step_memory`` measures to scale to the model's full depth, or None
     when the full model is as cheap (or its layers follow no repeating pattern). Blocks of one kind are
     identical, so every byte alive at a given phase of a step (parameters, gradients, optimizer state, the
@@ -231,11 +234,14 @@ def measured_depths(hf_config: Any) -> Optional[Tuple[int, int]]:
     steady state if its neighbours are blocks (the unit below a bottom block is the embedding, which the
     first block prefetches in backward): so t blocks at each end, t the first multiple of p from 2 on;
     a = 2t plus the model's depth left over after whole periods (so that the top blocks are of the model's top
-    blocks' kinds), b = a + p; None unless a + b blocks are fewer than the model's."""
+    blocks' kinds), b = a + p; None unless a + b blocks are fewer than the model's. Checkpointing every n-th
+    block (``checkpointing_every``) is one more pattern, of period n."""
     depth = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(depth, int):
         return None
     patterns = [list(map(str, v)) for v in layer_patterns(hf_config, depth).values()]
+    if checkpointing_every > 1:
+        patterns.append([str(i % checkpointing_every == 0) for i in range(depth)])
     period = next(p for p in range(1, depth + 1)
                   if all(values[i] == values[i % p] for values in patterns for i in range(depth)))
     a = 2 * period * -(-2 // period)
@@ -274,7 +280,8 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
                 micro_batch_size: int, seq_len: int, optimizer: str = "adamw", param_dtype: str = "float32",
                 shard_group_size: Optional[int] = None, block_classes: Optional[list] = None,
                 wrap_blocks: bool = True, trust_remote_code: bool = False, tp: int = 1,
-                tp_plan: Optional[Dict[str, str]] = None, scale: bool = True, loss_chunks: int = 1) -> Dict[str, Any]:
+                tp_plan: Optional[Dict[str, str]] = None, scale: bool = True, loss_chunks: int = 1,
+                checkpointing_mode: str = "full", checkpointing_every: int = 1) -> Dict[str, Any]:
     """Rank 0's memory in one steady-state training step of ``strategy`` on ``world_size`` ranks, bytes:
     ``peak`` (the step's highest total), ``peak_by_category`` (params/grads/optim/buffers/activations at that
     moment), ``activations`` (saved by forward + loss, alive when backward starts), ``forward_alive`` (every
@@ -284,8 +291,10 @@ def step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: b
 
     Runs under ``FakeTensorMode`` with a fake process group: allocates nothing."""
     args = (world_size, strategy, checkpointing, precision, micro_batch_size, seq_len, optimizer, param_dtype,
-            shard_group_size, block_classes, wrap_blocks, trust_remote_code, tp, tp_plan, loss_chunks)
-    depths = measured_depths(hf_config) if scale and wrap_blocks else None  # one unit: no steady state
+            shard_group_size, block_classes, wrap_blocks, trust_remote_code, tp, tp_plan, loss_chunks,
+            checkpointing_mode, checkpointing_every)
+    every = checkpointing_every if checkpointing else 1
+    depths = measured_depths(hf_config, every) if scale and wrap_blocks else None  # one unit: no steady state
     if depths is None:
         step = _step_memory(hf_config, *args)
         step.pop("phases")
@@ -299,6 +308,7 @@ def _step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: 
                  micro_batch_size: int, seq_len: int, optimizer: str, param_dtype: str,
                  shard_group_size: Optional[int], block_classes: Optional[list], wrap_blocks: bool,
                  trust_remote_code: bool, tp: int, tp_plan: Optional[Dict[str, str]], loss_chunks: int = 1,
+                 checkpointing_mode: str = "full", checkpointing_every: int = 1,
                  ends: Optional[int] = None) -> Dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -306,7 +316,7 @@ def _step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: 
         raise ShardlightError(f"the fake-tensor planner runs 32-true, bf16-mixed and bf16-true, not "
                               f"'{precision}'; use --analytic")
     resolved = resolved_fsdp(strategy, world_size, checkpointing, precision, shard_group_size, block_classes,
-                             wrap_blocks, tp, tp_plan)
+                             wrap_blocks, tp, tp_plan, checkpointing_mode, checkpointing_every)
     with fake_process_group(world_size):
         mesh = step_mesh(resolved, world_size)
         # FSDP2 joins the TP and DP meshes into one, a coordinate lookup fake tensors cannot run: a TP model is

@@ -120,12 +120,16 @@ class Workload:
     lora_r: int = 16
     fsdp_version: int = 1
     loss_chunks: int = 1               # trainer.loss_chunks: the output projection and loss in pieces
+    checkpointing_mode: str = "full"   # fsdp.activation_checkpointing_mode, where a row checkpoints
+    checkpointing_every: int = 1       # fsdp.activation_checkpointing_every
 
     def validate(self) -> None:
-        for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches", "loss_chunks"):
+        for name in ("micro_batch_size", "seq_len", "accumulate_grad_batches", "loss_chunks", "checkpointing_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ShardlightError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.checkpointing_mode not in ("full", "selective"):
+            raise ShardlightError(f"checkpointing mode '{self.checkpointing_mode}' is not one of full, selective")
         if self.precision not in PRECISIONS:
             raise ShardlightError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
         if self.param_dtype not in DTYPE_BYTES:

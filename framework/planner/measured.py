@@ -69,7 +69,9 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
                                      work.micro_batch_size, work.seq_len, work.optimizer, work.param_dtype,
                                      shard_group_size=key[2] if key[0] == "HYBRID_SHARD" else None,
                                      block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
-                                     trust_remote_code=model.trust_remote_code, loss_chunks=work.loss_chunks)
+                                     trust_remote_code=model.trust_remote_code, loss_chunks=work.loss_chunks,
+                                     checkpointing_mode=work.checkpointing_mode,
+                                     checkpointing_every=work.checkpointing_every)
         apply_step(row, steps[key], cluster)
     progress(None)
     return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),

@@ -15,9 +15,11 @@ following what FSDP1 (``use_orig_params``, the shardlight default) allocates:
   and probabilities per head), the fp32 log-softmax of the logits (shardlight's loss upcasts them), and the
   transient at the start of backward (gradients of the log-softmax output and of its fp32 input); with
   ``trainer.loss_chunks`` N, no logits kept and one N-th of that transient (each piece recomputed in backward).
-  With activation checkpointing: each block's input only; the transient is the larger of the logits
-  gradients and one block recomputed with its gradients. Gradients are freed after each optimizer step,
-  so the peak is parameters + optimizer state + buffers + max(activations, gradients + one layer's).
+  With activation checkpointing: each checkpointed block's input only (every n-th block with
+  ``activation_checkpointing_every`` n, the others keep all; selective: also its matmul and attention outputs);
+  the transient is the larger of the logits gradients and one block recomputed with its gradients. Gradients
+  are freed after each optimizer step, so the peak is parameters + optimizer state + buffers
+  + max(activations, gradients + one layer's).
 """
 
 from __future__ import annotations
@@ -92,7 +94,15 @@ def activation_bytes(spec: ModelSpec, work: Workload, checkpointing: bool, tp: i
         # step reads 14 and 17 bytes per logit under bf16-mixed and 32-true).
         logits, logits_grad = 0.0, tokens / work.loss_chunks * spec.vocab_size * (16 if c >= 4 else 12 + c)
     if checkpointing:
-        saved = spec.num_layers * h * c * tokens                     # each block's input only
+        kept = -(-spec.num_layers // work.checkpointing_every)      # blocks 0, n, 2n, ... are checkpointed
+        per_kept = h * c * tokens                                    # a checkpointed block's input
+        if work.checkpointing_mode == "selective":
+            # and its matmuls' and attention's outputs: q/k/v, attention (+ fp32 logsumexp per head), o_proj,
+            # the MLP's up (and gate) and down projections
+            up = 2 * i if spec.gated_mlp else i
+            per_kept += tokens * (c * (2 * q + 2 * kv) / attn_tp + 4 * spec.num_heads / attn_tp + c * up / mlp_tp
+                                  + 2 * c * h)
+        saved = kept * per_kept + (spec.num_layers - kept) * block
         transient = max(logits_grad, 2 * block)                      # or one block recomputed + its grads
     else:
         saved = spec.num_layers * block

@@ -10,7 +10,7 @@ pass it (``shardlight.build.build_hf_config(cfg.model)``) to ``spec_from_recipe`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardlight.errors import ShardlightError
@@ -18,8 +18,9 @@ from shardlight.planner.calibration import apply_to_rows, check_matches
 from shardlight.planner.estimate import estimate_all, estimate_tp, tp_skipped
 from shardlight.planner.inputs import DTYPE_BYTES, Cluster, Workload, make_cluster
 from shardlight.planner.measured import StepModel, measure_rows, measure_tp_contenders
+from shardlight.planner.memory_estimate import activation_bytes
 from shardlight.planner.model_spec import ModelSpec, load_hf_config_file, model_spec
-from shardlight.planner.recommend import format_table, recommend
+from shardlight.planner.recommend import find_row, format_table, recommend
 from shardlight.recipe import RecipeConfig
 from shardlight.strategy.sharded_load import load_host_bytes
 
@@ -90,8 +91,10 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, model: Optional
     if model is not None and memory["source"] == "fake-step" and tp_rows:
         # TP rows are measured only where they contend (the rule would pick them on their analytic peak).
         tp_info["measured"] = measure_tp_contenders(rows, tp_rows, model, cluster, work)
+    recommendation = recommend(rows, cluster, described, tp_rows=tp_rows)
+    selective_checkpointing(recommendation, rows + tp_rows, spec, cluster, work)
     plan = {
-        "recommendation": recommend(rows, cluster, described, tp_rows=tp_rows),
+        "recommendation": recommendation,
         "strategies": rows,
         "tensor_parallel": tp_rows,
         "tp": tp_info,
@@ -149,10 +152,44 @@ def plan_for(spec: ModelSpec, cluster: Cluster, work: Workload, restrict_ckpt: O
         measured = plan["tp"].setdefault("measured", [])
         measured += [m for m in measure_tp_contenders(rows, tp_rows, model, cluster, work) if m not in measured]
     plan["recommendation"] = recommend(rows, cluster, plan["model"], context=plan["strategies"], tp_rows=tp_rows)
+    selective_checkpointing(plan["recommendation"], rows + tp_rows, spec, cluster, work)
     plan["strategies"] = rows
     plan["tensor_parallel"] = tp_rows
     plan["load"] = host_load(plan, cluster)
     return plan
+
+
+def selective_checkpointing(rec: Dict[str, Any], rows: List[Dict[str, Any]], spec: ModelSpec, cluster: Cluster,
+                            work: Workload) -> None:
+    """Where the recommendation fits only by checkpointing every block in full, and selective checkpointing
+    (each block keeps its matmul and attention outputs and recomputes only the cheap ops) fits too, alone or with
+    the chunked loss (``trainer.loss_chunks`` 8: the fp32 logits never exist), recommend that instead: nearly
+    all of the recompute goes. Its peak is the row's plus the analytic difference in activations."""
+    if not (rec.get("fits") and rec["activation_checkpointing"]) or work.checkpointing_mode != "full" \
+            or work.checkpointing_every != 1:
+        return
+    group = rec["mesh_shape"][1] if rec.get("mesh_shape") else None
+    row = find_row(rows, rec["sharding_strategy"], True, rec["cpu_offload"], group, rec.get("tp_size", 1))
+    if row is None:
+        return
+    tp = row.get("tp_size", 1)
+    full = activation_bytes(spec, work, True, tp).total
+    for chunks in sorted({work.loss_chunks, 8}) if work.loss_chunks == 1 else (work.loss_chunks,):
+        extra = activation_bytes(spec, replace(work, checkpointing_mode="selective", loss_chunks=chunks), True,
+                                 tp).total - full
+        if row["headroom_bytes"] - extra >= 0:
+            break
+    else:
+        return
+    rec["checkpointing_mode"] = "selective"
+    with_chunks = ""
+    if chunks != work.loss_chunks:
+        rec["loss_chunks"] = chunks
+        with_chunks = f" with trainer.loss_chunks {chunks} (the fp32 logits never exist)"
+    rec["reasons"].append(
+        f"Selective activation checkpointing fits too{with_chunks} ({extra / 1e9:.1f} GB more activations, "
+        f"{(row['headroom_bytes'] - extra) / 1e9:.1f} GB headroom left): blocks keep their matmul and attention "
+        f"outputs and recompute only the cheap ops, so almost none of full checkpointing's extra forward.")
 
 
 def cluster_for(options: ClusterOptions, cfg: Optional[RecipeConfig] = None) -> Cluster:
@@ -207,7 +244,9 @@ def workload_from_recipe(cfg: RecipeConfig) -> Workload:
                     accumulate_grad_batches=t.accumulate_grad_batches, precision=t.precision,
                     param_dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation or "sdpa",
                     optimizer=cfg.optim.name, peft=cfg.peft.method, lora_r=cfg.peft.r,
-                    fsdp_version=cfg.fsdp.fsdp_version, loss_chunks=t.loss_chunks)
+                    fsdp_version=cfg.fsdp.fsdp_version, loss_chunks=t.loss_chunks,
+                    checkpointing_mode=cfg.fsdp.activation_checkpointing_mode,
+                    checkpointing_every=cfg.fsdp.activation_checkpointing_every)
     if cfg.fsdp.backward_prefetch == "NO_PREFETCH":
         work.prefetch = 0
     return work
@@ -304,5 +343,8 @@ def render(plan: Dict[str, Any]) -> str:
                      f"parallelism.dp_shard_size={rec['mesh_shape'][1]}")
     lines.append(f"  recipe: fsdp.sharding_strategy={rec['sharding_strategy']}{mesh} "
                  f"fsdp.activation_checkpointing={str(rec['activation_checkpointing']).lower()} "
-                 f"fsdp.cpu_offload={str(rec['cpu_offload']).lower()}")
+                 + (f"fsdp.activation_checkpointing_mode={rec['checkpointing_mode']} "
+                    if rec.get("checkpointing_mode") else "")
+                 + (f"trainer.loss_chunks={rec['loss_chunks']} " if rec.get("loss_chunks") else "")
+                 + f"fsdp.cpu_offload={str(rec['cpu_offload']).lower()}")
     return "\n".join(lines)

@@ -30,6 +30,7 @@ _LAUNCH = "ignored: the launcher's rendezvous and node rank (srun, torchrun: MAS
 _OTHER = "ignored: read only with distributed_type DEEPSPEED, MEGATRON_LM or MULTI_CPU (refused)"
 _OBJECT = "a Python object; a file cannot give one"
 _CP_ONLY = "ignored: read only with parallelism_config_cp_size > 1 (refused)"
+_COMPILE = "set the recipe's compile: true instead (inductor on each transformer block, as regional compilation)"
 _SP_ONLY = "ignored: read only with parallelism_config_sp_size > 1 (refused)"
 
 # accelerate key → "section.field" (its recipe key) | "ignored: why" | Refused(why, harmless values).
@@ -53,8 +54,8 @@ KEYS: Dict[str, Union[str, Refused]] = {
     "deepspeed_config": _OTHER, "megatron_lm_config": _OTHER, "mpirun_config": _OTHER,
     "downcast_bf16": _TPU, "tpu_name": _TPU, "tpu_zone": _TPU, "tpu_use_cluster": _TPU, "tpu_use_sudo": _TPU,
     "command_file": _TPU, "commands": _TPU, "tpu_vm": _TPU, "tpu_env": _TPU,
-    "dynamo_config": Refused("torch.compile (dynamo) is not supported", ({"dynamo_backend": "NO"},)),
-    "dynamo_backend": Refused("torch.compile (dynamo) is not supported", ("NO",)),  # older spelling
+    "dynamo_config": Refused(_COMPILE, ({"dynamo_backend": "NO"},)),
+    "dynamo_backend": Refused(_COMPILE, ("NO",)),  # older spelling
     "fp16": Refused("an old spelling; write mixed_precision: fp16", (False,)),
     # fsdp_config (a key without the fsdp_ prefix gets it, as accelerate launch does). With fsdp_version 2
     # Accelerate drops backward_prefetch, use_orig_params, sync_module_states and sharding_strategy; so do we.
@@ -76,7 +77,7 @@ KEYS: Dict[str, Union[str, Refused]] = {
     "fsdp_sync_module_states": "fsdp.sync_module_states",
     "fsdp_cpu_ram_efficient_loading": "fsdp.cpu_ram_efficient_loading",
     "fsdp_activation_checkpointing": "fsdp.activation_checkpointing",
-    "fsdp_activation_checkpointing_offload": Refused("activation offloading is not supported", (False,)),
+    "fsdp_activation_checkpointing_offload": "fsdp.activation_checkpointing_offload",
     "fsdp_ignored_modules": Refused("every module is sharded; none can be left out of FSDP"),
     "fsdp_state_dict_config": Refused(_OBJECT), "fsdp_optim_state_dict_config": Refused(_OBJECT),
     "fsdp_param_init_fn": Refused(_OBJECT),

@@ -317,6 +317,21 @@ class FSDPConfig:
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute each transformer block in backward (non-reentrant)."}
     )
+    activation_checkpointing_mode: str = field(
+        default="full",
+        metadata={"allowed": ("full", "selective"),
+                  "help": "full: keep only each checkpointed block's input; selective: also keep its matmul and "
+                          "attention outputs and recompute only the cheap ops (norms, activations, rotary)."},
+    )
+    activation_checkpointing_every: int = field(
+        default=1,
+        metadata={"positive": True, "help": "Checkpoint every n-th block (1: every block; 2: blocks 0, 2, 4, ...)."},
+    )
+    activation_checkpointing_offload: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: move what each checkpointed block keeps (its input) to host memory until "
+                          "backward, as Accelerate's activation_checkpointing_offload (a CPU run keeps it there)."},
+    )
     mixed_precision: Optional[str] = field(
         default=None,
         metadata={
@@ -477,6 +492,11 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each transformer block (before checkpointing and FSDP wrap it); the "
+                          "first steps pay the compile time, reported apart from the step time (compile_s)."},
+    )
     resume: Optional[str] = field(
         default=None, metadata={"help": "auto (newest complete checkpoint, if any) or a checkpoint/run dir path."}
     )

@@ -97,6 +97,7 @@ def validate(cfg: RecipeConfig) -> None:
     _check_peft(cfg)
     _check_parallelism(cfg)
     _check_hang(cfg)
+    _check_activation_checkpointing(cfg)
     max_shard_bytes(cfg)
 
 
@@ -108,6 +109,20 @@ def _check_hang(cfg: RecipeConfig) -> None:
             f"callbacks.hang.after_s={hang.after_s:g} plus callbacks.hang.grace_s={hang.grace_s:g} must be below "
             f"trainer.collective_timeout_s={timeout}: the watchdog names the stuck rank only before torch's "
             "timeout stops the run")
+
+
+def _check_activation_checkpointing(cfg: RecipeConfig) -> None:
+    """The checkpointing choices refine fsdp.activation_checkpointing; without it they would do nothing."""
+    fsdp = cfg.fsdp
+    if fsdp.activation_checkpointing:
+        return
+    for key, default in (("activation_checkpointing_mode", "full"), ("activation_checkpointing_every", 1),
+                         ("activation_checkpointing_offload", False)):
+        value = getattr(fsdp, key)
+        if value != default:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ShardlightError(f"fsdp.{key}={shown} needs fsdp.activation_checkpointing=true "
+                                  "(it chooses how the checkpointed blocks are recomputed)")
 
 
 def max_shard_bytes(cfg: RecipeConfig) -> int:

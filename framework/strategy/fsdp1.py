@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from shardlight.strategy.activation_checkpointing import checkpoint_blocks, compile_blocks
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.sharded_load import has_meta_parameters, meta_param_init
 from shardlight.strategy.unshard import register_fsdp_root
@@ -53,7 +54,8 @@ def fsdp1_kwargs(resolved: ResolvedFSDP, device: torch.device, mixed_precision: 
 def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, *, mesh: Any = None,
                 mixed_precision: Any = None, weights: Optional[Path] = None,
                 weights_prefix: str = "") -> Tuple[nn.Module, Dict[str, Any]]:
-    """Wrap ``model`` in FSDP1, then checkpoint activations of each block (after wrapping, as Lightning does).
+    """Wrap ``model`` in FSDP1 (its blocks compiled first with ``resolved.compile``), then checkpoint
+    activations of the blocks ``resolved`` picks (after wrapping, as Lightning does).
 
     ``mesh``: from ``fsdp1_mesh``; ``mixed_precision``: a ``MixedPrecision`` (or None); ``weights``: the
     safetensors checkpoint a skeleton ``model`` (meta parameters) is read from as it is wrapped, the HF model
@@ -78,21 +80,19 @@ def apply_fsdp1(model: nn.Module, resolved: ResolvedFSDP, device: torch.device, 
         # A skeleton for a sharded load: FSDP gives each unit's parameters storage (and their weights) as it
         # wraps them, then shards the unit before the next.
         kwargs["param_init_fn"] = meta_param_init(device, model, weights, weights_prefix)
-    blocks = []
-    if resolved.activation_checkpointing:
+    classes: tuple = ()
+    if resolved.activation_checkpointing or resolved.compile:
         # Looked up before wrapping, so a bad class name fails before FSDP touches the model.
-        blocks = find_block_classes(model, resolved.transformer_cls_names_to_wrap)
+        classes = tuple(find_block_classes(model, resolved.transformer_cls_names_to_wrap))
+    if resolved.compile:
+        # Each block compiled in place before FSDP wraps it: FSDP's unshard/reshard stay outside the graph.
+        compile_blocks([m for m in model.modules() if isinstance(m, classes)])
     wrapped = FullyShardedDataParallel(module=model, **kwargs)
-    if blocks:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        # checkpoint_wrapper's default is non-reentrant checkpointing.
-        apply_activation_checkpointing(wrapped, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       auto_wrap_policy=ModuleWrapPolicy(set(blocks)))
+    if resolved.activation_checkpointing:
+        # Around each block inside its FSDP unit (after wrapping, as Lightning does).
+        checkpoint_blocks(wrapped, [m for m in wrapped.modules() if isinstance(m, classes)],
+                          mode=resolved.activation_checkpointing_mode, every=resolved.activation_checkpointing_every,
+                          offload=resolved.activation_checkpointing_offload)
     # full_params on a module inside (the HF model) must unshard the root's own parameters too.
     register_fsdp_root(wrapped)
     return wrapped, report

@@ -1,15 +1,16 @@
 """FSDP2 (``fully_shard``, DTensor) from a ``ResolvedFSDP``: ``apply_fsdp2`` shards a model in place, like
-torchtitan's ``parallelize_llama`` (tensor parallelism, then activation checkpointing, then FSDP); also the
+torchtitan's ``parallelize_llama`` (tensor parallelism, compile, activation checkpointing, then FSDP); also the
 mesh it shards over and the full state dict and gradient clipping the Lightning adapter needs."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
 
 from shardlight.collectives import all_gather_objects
+from shardlight.strategy.activation_checkpointing import checkpoint_blocks, compile_blocks
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import apply_tensor_parallel, data_parallel_mesh, parallel_mesh
 from shardlight.strategy.wrapping import block_modules, unit_modules, wrap_report
@@ -27,30 +28,26 @@ def fsdp2_mesh(resolved: ResolvedFSDP, device_type: str, world_size: int):
     return init_device_mesh(device_type, (world_size,))
 
 
-def _checkpoint_blocks(model: nn.Module, units: List[nn.Module], names: Optional[List[str]]) -> List[nn.Module]:
-    """Non-reentrant checkpointing around each block. Returns the units to shard: the ``CheckpointWrapper``s
-    (the modules their parents now call) of the units that are blocks, innermost first; the units unchanged
-    when none is (size-based units)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    block_ids = {id(b) for b in block_modules(model, names)}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                   check_fn=lambda m: id(m) in block_ids)
-    unit_ids = {id(u) for u in units}
-    wrappers = [m for m in model.modules()
-                if isinstance(m, CheckpointWrapper) and id(m._checkpoint_wrapped_module) in unit_ids]
-    return wrappers[::-1] or units
+def _compile_and_checkpoint(model: nn.Module, units: List[nn.Module], resolved: ResolvedFSDP) -> List[nn.Module]:
+    """``torch.compile`` on each block (``resolved.compile``), then activation checkpointing around the blocks
+    it picks. Returns the units to shard: each unit that is a block replaced by its outermost wrapper (the
+    module its parent now calls); other units (size-based) unchanged."""
+    blocks = block_modules(model, resolved.transformer_cls_names_to_wrap)
+    if resolved.compile:
+        compile_blocks(blocks)
+    wrappers = {}
+    if resolved.activation_checkpointing:
+        wrappers = checkpoint_blocks(model, blocks, mode=resolved.activation_checkpointing_mode,
+                                     every=resolved.activation_checkpointing_every,
+                                     offload=resolved.activation_checkpointing_offload)
+    return [wrappers.get(id(u), u) for u in units]
 
 
 def apply_fsdp2(model: nn.Module, resolved: ResolvedFSDP, mesh: Any) -> Tuple[nn.Module, Dict[str, Any]]:
     """Shard ``model`` (the HF model, the FSDP2 root) over ``mesh`` (``fsdp2_mesh``), in order: tensor
-    parallelism over the mesh's ``tp`` dimension (with ``resolved.parallel``), activation checkpointing around
-    each block, then ``fully_shard`` over the data-parallel dimensions on each unit innermost first, then on
-    the root.
+    parallelism over the mesh's ``tp`` dimension (with ``resolved.parallel``), ``torch.compile`` per block
+    (``resolved.compile``), activation checkpointing around the blocks it picks, then ``fully_shard`` over the
+    data-parallel dimensions on each unit innermost first, then on the root.
 
     Returns the root (now an ``FSDPModule``) and the wrap report (computed before sharding, so sizes are full;
     with TP also the mesh, the plan and this rank's parameter count).
@@ -65,8 +62,8 @@ def apply_fsdp2(model: nn.Module, resolved: ResolvedFSDP, mesh: Any) -> Tuple[nn
         report["tp_plan"] = apply_tensor_parallel(model, dims, mesh["tp"])
         report["mesh"] = dict(zip(mesh.mesh_dim_names, dims.shape))
         mesh = data_parallel_mesh(mesh, dims)
-    if resolved.activation_checkpointing:
-        units = _checkpoint_blocks(model, units, resolved.transformer_cls_names_to_wrap)
+    if resolved.activation_checkpointing or resolved.compile:
+        units = _compile_and_checkpoint(model, units, resolved)
     kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": resolved.reshard_after_forward}
     if resolved.param_dtype is not None:
         # Gradients reduce in fp32 whatever the parameter dtype (as torchtitan): bf16/fp16 sums lose precision.

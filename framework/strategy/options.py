@@ -82,6 +82,9 @@ class ResolvedFSDP:
     use_orig_params: bool = _parsed(_orig_params)
     state_dict_type: str = _parsed(_enum_name)  # FULL_STATE_DICT | SHARDED_STATE_DICT
     activation_checkpointing: bool = _parsed(bool)
+    activation_checkpointing_offload: bool = _parsed(bool)  # Accelerate: FSDP2 only
+    activation_checkpointing_mode: str = _given()            # full | selective
+    activation_checkpointing_every: int = _given()           # checkpoint blocks 0, n, 2n, ...
     cpu_offload: bool = _given(bool)
     cpu_ram_efficient_loading: bool = _given(bool)
     auto_wrap_policy: str = _given()        # TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP
@@ -91,6 +94,7 @@ class ResolvedFSDP:
     wrap_report_tiny_unit_params: int = _given()
     # The recipe's parallelism: section (tensor parallelism and its mesh); None: the mesh above, as before TP.
     parallel: Optional[ParallelDims] = None
+    compile: bool = False                   # the recipe's compile: each block, after checkpointing, before FSDP
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
@@ -203,7 +207,7 @@ def _mesh_shape(fsdp: FSDPConfig, strategy: str, hybrid: bool, num_nodes: int, d
 
 def resolve_recipe_fsdp(cfg: RecipeConfig) -> ResolvedFSDP:
     t = cfg.trainer
-    resolved = resolve_fsdp(cfg.fsdp, t.precision, t.num_nodes, t.devices)
+    resolved = replace(resolve_fsdp(cfg.fsdp, t.precision, t.num_nodes, t.devices), compile=bool(cfg.compile))
     parallel = resolve_parallel_dims(cfg.parallelism, cfg.fsdp, resolved.sharding_strategy, t.num_nodes, t.devices)
     return replace(resolved, parallel=parallel) if parallel is not None else resolved
 
