@@ -66,8 +66,8 @@ def loss_sum(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
     for the whole step, past activation checkpointing, and grow between a checkpointed block's forward and its
     recompute. A packed block (``position_ids`` restarting at each example) is given no attention mask: that is
     how transformers recognises packing and keeps attention inside each example. Other batches keep their
-    attention mask, which the planner's fake step measures: on fake tensors, the packing check itself would make
-    a mask the real step never makes.
+    attention mask (the planner's fake step gives none, and answers transformers' packing check as a real
+    unpacked step does: ``fake_tensors.unpacked_sequences``).
 
     ``chunks`` > 1 (``trainer.loss_chunks``): the output projection and the loss run on that many pieces of the
     sequence, each recomputed in backward (:func:`chunked_output_loss`), so the ``[batch, seq, vocab]`` fp32

@@ -61,6 +61,24 @@ def fake_friendly_grouped_mm() -> Iterator[None]:
         moe._can_use_grouped_mm = original
 
 
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """transformers checks a batch given no attention mask and no KV cache for packed sequences by reading its
+    position ids; on fake tensors the check cannot read them and answers with a mask the real step never makes
+    (``[batch, 1, seq, seq]``). For a step that is known not to be packed, answer as the real check does."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def layer_patterns(config: Any, depth: int) -> Dict[str, list]:
     """The config's per-layer lists, one entry per block of ``depth`` (``layer_types``, ``no_rope_layers``),
     not a list of every layer's index (Llama 4's ``moe_layers``, LFM2's ``full_attn_idxs``), which would read

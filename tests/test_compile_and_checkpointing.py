@@ -84,7 +84,8 @@ def test_selective_checkpointing_keeps_the_matmul_outputs_and_recomputes_the_res
 
 def test_the_planner_predicts_the_activation_memory_of_each_choice():
     """bf16-mixed, 8 blocks: the fake step (the real model under FakeTensorMode, checkpointed by the strategy's own
-    code) and the analytic estimate agree within 10% for every choice, and both order them the same way."""
+    code) and the analytic estimate agree within 10% for every choice (2% today), and both order them the same
+    way: none > selective every 2nd > full every 2nd ~ selective > full."""
     from transformers import LlamaConfig
 
     from shardlight.planner.fake_step import step_memory
@@ -95,7 +96,7 @@ def test_the_planner_predicts_the_activation_memory_of_each_choice():
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     choices = [(False, "full", 1), (True, "selective", 2), (True, "full", 2), (True, "selective", 1),
-               (True, "full", 1)]  # most activation memory first
+               (True, "full", 1)]  # most activation memory first (every 2nd in full and selective about tie)
     fake, analytic = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -108,7 +109,9 @@ def test_the_planner_predicts_the_activation_memory_of_each_choice():
             analytic.append(activation_bytes(model_spec(config), work, ckpt).total)
     for choice, f, a in zip(choices, fake, analytic):
         assert abs(a - f) <= 0.1 * f, (choice, a, f)
-    assert fake == sorted(fake, reverse=True) and analytic == sorted(analytic, reverse=True), (fake, analytic)
+    for bytes_ in (fake, analytic):
+        assert bytes_[0] > bytes_[1] > max(bytes_[2:4]) and min(bytes_[2:4]) > bytes_[4], (fake, analytic)
+    assert fake[4] < 0.5 * fake[0] and fake[3] < 0.75 * fake[0], fake  # what each choice is for
 
 
 def test_the_scaled_fake_step_steps_whole_periods_of_every_nth_checkpointing():

@@ -43,7 +43,7 @@ import torch
 
 from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
-from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group, layer_patterns
+from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group, layer_patterns, unpacked_sequences
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import ParallelDims
@@ -323,7 +323,7 @@ def _step_memory(hf_config: Any, world_size: int, strategy: str, checkpointing: 
         # parallelized on the meta device outside FakeTensorMode and only materialized inside it.
         prebuilt = (build_sharded_model(hf_config, resolved, mesh, precision, param_dtype, trust_remote_code,
                                         materialize=False) if tp > 1 else None)
-        with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_grouped_mm():
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_grouped_mm(), unpacked_sequences():
             if prebuilt is not None:
                 model = prebuilt
                 model.to_empty(device="cpu")
