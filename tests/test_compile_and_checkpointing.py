@@ -134,8 +134,10 @@ def test_the_scaled_fake_step_steps_whole_periods_of_every_nth_checkpointing():
      "fsdp.activation_checkpointing_mode"),
     (["fsdp.activation_checkpointing=true", "fsdp.activation_checkpointing_offload=true"],
      "requires `fsdp_version=2`"),
+    (["compile=true", "fsdp.use_orig_params=false"],
+     "compile: true with fsdp_version 1 needs fsdp.use_orig_params: true (or null)"),
 ])
-def test_bad_checkpointing_choices_are_one_line_before_spawn(overrides, expected):
+def test_bad_block_knobs_are_one_line_before_spawn(overrides, expected):
     result = run_cli(["train", str(DEFAULT_RECIPE), *overrides])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()

@@ -54,7 +54,7 @@ def main() -> int:
     line = {"benchmark": "compile_speed_gpu", "metric": "tokens_per_sec_per_device", "eager": round(eager, 1),
             "compiled": round(compiled, 1), "ratio": round(compiled / eager, 3), "pairs": args.pairs,
             "compile_s": [r["compile_s"] for r in runs["compiled"]], "runs": runs,
-            "note": "two pairs, no interval: a reading, not a claim"}
+            "note": f"{args.pairs} pairs, no interval: a reading, not a claim"}
     print(json.dumps(line))
     results = os.environ.get("SHARDLIGHT_BENCH_RESULTS")
     if results:

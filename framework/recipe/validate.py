@@ -97,7 +97,7 @@ def validate(cfg: RecipeConfig) -> None:
     _check_peft(cfg)
     _check_parallelism(cfg)
     _check_hang(cfg)
-    _check_activation_checkpointing(cfg)
+    _check_block_knobs(cfg)
     max_shard_bytes(cfg)
 
 
@@ -111,9 +111,13 @@ def _check_hang(cfg: RecipeConfig) -> None:
             "timeout stops the run")
 
 
-def _check_activation_checkpointing(cfg: RecipeConfig) -> None:
-    """The checkpointing choices refine fsdp.activation_checkpointing; without it they would do nothing."""
+def _check_block_knobs(cfg: RecipeConfig) -> None:
+    """The checkpointing choices refine fsdp.activation_checkpointing; without it they would do nothing. Compiled
+    blocks under FSDP1 need its original parameters."""
     fsdp = cfg.fsdp
+    if cfg.compile and fsdp.fsdp_version == 1 and fsdp.use_orig_params is False:
+        raise ShardlightError("compile: true with fsdp_version 1 needs fsdp.use_orig_params: true (or null): the "
+                              "compiled blocks must see their own parameters, not views of FSDP's flat one")
     if fsdp.activation_checkpointing:
         return
     for key, default in (("activation_checkpointing_mode", "full"), ("activation_checkpointing_every", 1),
