@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
+from shardlight.lm_loss import loss_sum
 
 
 @contextlib.contextmanager

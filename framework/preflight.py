@@ -23,10 +23,10 @@ from shardlight.adapters import apply_adapters, check_adapter_machine, check_ada
 from shardlight.build import build_hf_config, build_hf_model, build_tokenizer
 from shardlight.build.optimizer import check_optimizer
 from shardlight.build.training_model import reads_into_shards, transformers_reason
-from shardlight.causal_lm import logit_transform
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.fake_tensors import fake_process_group, fake_training_step, shallow_copy, uncheckable
+from shardlight.lm_loss import logit_transform
 from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext

@@ -16,7 +16,7 @@ from test_strategy import (
     tiny_setup,  # noqa: F401 - the fixture
 )
 
-from shardlight.causal_lm import IGNORE_INDEX, loss_sum
+from shardlight.lm_loss import IGNORE_INDEX, loss_sum
 
 VOCAB = 32_000
 

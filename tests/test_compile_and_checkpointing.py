@@ -40,7 +40,7 @@ def _unwrapped(name):
 
 
 def _loss_and_grads(model, ids):
-    from shardlight.causal_lm import loss_sum
+    from shardlight.lm_loss import loss_sum
 
     model.zero_grad(set_to_none=True)
     total, count = loss_sum(model, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})

@@ -150,7 +150,7 @@ def _tiny_model(attn_implementation: str):
 def test_a_packed_block_has_the_loss_and_gradients_of_its_examples_one_by_one(tmp_path, tok, attn_implementation):
     """Truth by construction: the packed block's summed loss and its gradients equal those of its examples run
     alone (no padding, no mask), so packing changes nothing of what the model learns."""
-    from shardlight.causal_lm import loss_sum
+    from shardlight.lm_loss import loss_sum
 
     rows = [{"prompt": "Add: " + "2 + " * (i % 5) + "3", "response": "answer " * (1 + i % 3)} for i in range(12)]
     train = _jsonl(tmp_path / "train.jsonl", rows)
@@ -193,7 +193,7 @@ class _Rows:
 def test_the_first_validation_loss_is_the_same_with_and_without_packing(tok):
     """The shipped recipe's validation data, one set of weights: the token-weighted loss over packed blocks
     equals the one over one row per example (on the old concatenating packing it was 6.2331 against 6.2811)."""
-    from shardlight.causal_lm import loss_sum
+    from shardlight.lm_loss import loss_sum
 
     val = str(REPO / "recipes" / "data" / "tiny_sft_val.jsonl")
     model = _tiny_model("sdpa")

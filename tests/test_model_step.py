@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardlight.build.training_model import build_module
-from shardlight.causal_lm import loss_sum
+from shardlight.lm_loss import loss_sum
 from shardlight.recipe import load_recipe
 
 ACCUMULATE, STEPS, SEQ = 2, 3, 16

@@ -59,6 +59,34 @@ def test_fake_step_against_two_spawned_gloo_ranks(model_type, strategy):
     assert fake["forward_alive"] == pytest.approx(forward_real, rel=0.02), (fake["forward_alive"], forward_real)
 
 
+def test_plan_does_not_step_what_cannot_fit(tmp_path, capsys, monkeypatch):
+    """2 GPUs of 25 MB: NO_SHARD's replicated state alone is above them, with and without checkpointing, so
+    those two configurations are not stepped (4 steps, not 6). Stepped anyway (no floor), each measures above
+    the GPU, and the recommendation is the same."""
+    from shardlight.planner import measured
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--hf-config", write(tmp_path, TINY_LLAMA), "--gpus-per-node", "2", "--seq-len", "128",
+            "--micro-batch-size", "2", "--gpu-memory", "0.025GB", "--overhead-gb", "0.001", "--json", str(out)]
+    assert main(args) == 0
+    assert "2 configurations that cannot fit" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert (plan["memory"]["steps"], plan["memory"]["skipped"]) == (4, 2)
+    skipped = [r for r in plan["strategies"] if r.get("memory_skipped")]
+    assert {(r["sharding_strategy"], r["activation_checkpointing"]) for r in skipped} == {("NO_SHARD", False),
+                                                                                         ("NO_SHARD", True)}
+    assert all(r["memory_source"] == "analytic" and not r["fits"] for r in skipped)
+    monkeypatch.setattr(measured, "STATE_FLOOR", 0.0)
+    monkeypatch.setattr(measured, "ACTIVATION_FLOOR", 0.0)
+    assert main(args) == 0
+    every = json.loads(out.read_text())
+    assert (every["memory"]["steps"], every["memory"]["skipped"]) == (6, 0)
+    for row in every["strategies"]:
+        if row["sharding_strategy"] == "NO_SHARD":
+            assert row["memory_source"] == "fake-step" and row["peak_bytes"] > row["usable_bytes"], row
+    assert every["recommendation"] == plan["recommendation"]
+
+
 def test_fake_step_shards_over_the_planned_world(tmp_path):
     """Per-rank sharded state halves from 1 to 2 fake ranks; SHARD_GRAD_OP keeps gathered weights that
     FULL_SHARD frees, so its peak is higher; NO_SHARD keeps everything replicated."""

@@ -9,7 +9,7 @@ import functools
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import torch
 from huggingface_hub import constants as hub_constants
@@ -22,9 +22,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from shardlight.adapters import apply_adapters, quantization_config
 from shardlight.build.optimizer import build_optimization
 from shardlight.errors import ShardlightError, first_line
-from shardlight.causal_lm import CausalLMModule
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.strategy.sharded_load import build_skeleton, checkpoint_keys
+
+if TYPE_CHECKING:  # the LightningModule (and Lightning) only where a run builds it, not for a config
+    from shardlight.causal_lm import CausalLMModule
 
 # Long enough for a slow but working link; an air-gapped node answers in ms (no DNS) or never (dropped).
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -157,10 +159,12 @@ def sharded_weights_folder(cfg: RecipeConfig) -> Optional[Path]:
     return folder if checkpoint_keys(folder) is not None else None
 
 
-def build_module(cfg: RecipeConfig, *, sharded_load: bool = True) -> CausalLMModule:
+def build_module(cfg: RecipeConfig, *, sharded_load: bool = True) -> "CausalLMModule":
     """The LightningModule, with the recipe's model and optimizer builders. ``sharded_load=False``: the model is
     built with its weights (``from_pretrained``) even where the strategy could read them into its shards (a
     single process that no strategy shards)."""
+    from shardlight.causal_lm import CausalLMModule
+
     return CausalLMModule(
         cfg,
         make_model=partial(build_training_model, cfg),

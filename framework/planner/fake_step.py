@@ -1,7 +1,7 @@
 """Per-rank memory of one training step, measured instead of modelled: the real Hugging Face model, sharded
 by the strategy's own ``shardlight.strategy.fsdp2.apply_fsdp2`` (tensor parallelism, activation
 checkpointing, FSDP2, in that one order), runs forward + the LightningModule's own loss
-(``shardlight.causal_lm.loss_sum``) + backward + optimizer step under ``FakeTensorMode`` on a fake
+(``shardlight.lm_loss.loss_sum``) + backward + optimizer step under ``FakeTensorMode`` on a fake
 process group of the planned world size (``torch.testing._internal.distributed.fake_pg``), while
 ``torch.distributed._tools.FSDPMemTracker`` counts every tensor by category.
 
@@ -41,9 +41,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from shardlight.causal_lm import loss_sum
 from shardlight.errors import ShardlightError
 from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group, layer_patterns, unpacked_sequences
+from shardlight.lm_loss import loss_sum
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import ParallelDims
@@ -111,7 +111,7 @@ def build_sharded_model(hf_config: Any, resolved: ResolvedFSDP, mesh: Any, preci
 
 
 def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_chunks: int = 1) -> torch.Tensor:
-    """shardlight's training loss (``shardlight.causal_lm.loss_sum``: shifted logits upcast to fp32, summed
+    """shardlight's training loss (``shardlight.lm_loss.loss_sum``: shifted logits upcast to fp32, summed
     cross-entropy over the supervised tokens, in ``loss_chunks`` pieces) divided by their count, as
     ``training_step`` does; every token is supervised, none is padding."""
     total, count = loss_sum(model, {"input_ids": input_ids, "attention_mask": None, "labels": input_ids},
@@ -120,12 +120,14 @@ def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_chunks
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """The optimizer as training on GPUs runs it: torch's foreach implementation (its default for CUDA tensors;
+    on CPU tensors, real or fake, torch would pick the per-tensor loop, with other temporaries)."""
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-5)
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
     if name == "adam":
-        return torch.optim.Adam(params, lr=1e-5)
+        return torch.optim.Adam(params, lr=1e-5, foreach=True)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-5, momentum=0.9)
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=True)
     raise ShardlightError(f"the fake-tensor planner cannot run optimizer '{name}' (bitsandbytes); use --analytic")
 
 

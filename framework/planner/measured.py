@@ -5,7 +5,10 @@ planned world size and replaces each estimate's peak with the measured one; the 
 the row (``analytic_peak_bytes``, ``analytic_activation_bytes``) as the explanation of where the bytes go
 and to print the difference. CPU offload rows reuse their on-GPU step: the fake step runs on the CPU, where
 offloading moves nothing, so the offloaded peak is the measured peak less the sharded parameters,
-gradients and optimizer state alive at that moment (what ``CPUOffloadPolicy`` keeps on the host).
+gradients and optimizer state alive at that moment (what ``CPUOffloadPolicy`` keeps on the host). A configuration
+that cannot fit whatever the step measures (``least_peak``: its state and gathered buffers, which the analytic
+model counts, less 10%, plus half its modelled activations, above the GPU) is not stepped: a 70B model's
+replicated or unsharded rows, and those without checkpointing, keep their analytic memory (``memory_skipped``).
 """
 
 from __future__ import annotations
@@ -56,26 +59,84 @@ def measure_rows(rows: List[Dict[str, Any]], model: StepModel, cluster: Cluster,
         return {"source": "analytic", "reason": reason}
     started = time.perf_counter()
     steps: Dict[Tuple[str, bool, int], Dict[str, Any]] = {}
-    total = len({(r["sharding_strategy"], r["activation_checkpointing"], r["shard_group_size"]) for r in rows})
+    keys: Dict[Tuple[str, bool, int], List[Dict[str, Any]]] = {}
+    for row in rows:
+        keys.setdefault((row["sharding_strategy"], row["activation_checkpointing"], row["shard_group_size"]),
+                        []).append(row)
+    # A configuration none of whose rows can fit, whatever the step measures, keeps its analytic memory.
+    hopeless = {key for key, group in keys.items() if all(least_peak(r) > cluster.usable_bytes for r in group)}
     depths = measured_depths(model.hf_config) if model.wrap_blocks else None
     deep = (f", {depths[0]} and {depths[1]} of {model.hf_config.num_hidden_layers} blocks, scaled"
             if depths else "")
-    for row in rows:
-        key = (row["sharding_strategy"], row["activation_checkpointing"], row["shard_group_size"])
-        if key not in steps:
-            progress(f"plan: fake training step {len(steps) + 1}/{total} ({key[0]}{' +ckpt' if key[1] else ''}"
-                     f"{deep}), {time.perf_counter() - started:.0f} s so far")
-            steps[key] = step_memory(model.hf_config, cluster.world_size, key[0], key[1], work.precision,
-                                     work.micro_batch_size, work.seq_len, work.optimizer, work.param_dtype,
-                                     shard_group_size=key[2] if key[0] == "HYBRID_SHARD" else None,
-                                     block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
-                                     trust_remote_code=model.trust_remote_code, loss_chunks=work.loss_chunks,
-                                     checkpointing_mode=work.checkpointing_mode,
-                                     checkpointing_every=work.checkpointing_every)
-        apply_step(row, steps[key], cluster)
+    for key, group in keys.items():
+        if key in hopeless:
+            for row in group:
+                row["memory_source"] = "analytic"
+                row["memory_skipped"] = (f"cannot fit: at least {least_peak(row) / 1e9:.1f} GB "
+                                         f"of state, gathered buffers and activations")
+    todo = [key for key in keys if key not in hopeless]
+    calls = [(model.hf_config, {
+        "world_size": cluster.world_size, "strategy": key[0], "checkpointing": key[1], "precision": work.precision,
+        "micro_batch_size": work.micro_batch_size, "seq_len": work.seq_len, "optimizer": work.optimizer,
+        "param_dtype": work.param_dtype, "shard_group_size": key[2] if key[0] == "HYBRID_SHARD" else None,
+        "block_classes": model.block_classes, "wrap_blocks": model.wrap_blocks,
+        "trust_remote_code": model.trust_remote_code, "loss_chunks": work.loss_chunks,
+        "checkpointing_mode": work.checkpointing_mode, "checkpointing_every": work.checkpointing_every})
+        for key in todo]
+    for key, step in zip(todo, _stepped(calls, deep, started)):
+        steps[key] = step
+        for row in keys[key]:
+            apply_step(row, step, cluster)
     progress(None)
-    return {"source": "fake-step", "steps": len(steps), "seconds": round(time.perf_counter() - started, 2),
-            "world_size": cluster.world_size, "depths": next(iter(steps.values()))["depths"] if steps else None}
+    return {"source": "fake-step", "steps": len(steps), "skipped": len(hopeless),
+            "seconds": round(time.perf_counter() - started, 2), "world_size": cluster.world_size,
+            "depths": next(iter(steps.values()))["depths"] if steps else None}
+
+
+def _step(call: Tuple[Any, Dict[str, Any]]) -> Dict[str, Any]:
+    hf_config, kwargs = call
+    return step_memory(hf_config, **kwargs)
+
+
+def _stepped(calls: List[Tuple[Any, Dict[str, Any]]], deep: str, started: float) -> List[Dict[str, Any]]:
+    """Each call's fake step, in order: one per core at a time in forked processes (the steps are independent
+    and CPU-bound; a 70B plan's three take half the time on 2 cores), in this process when one core or step."""
+    from shardlight.preflight import usable_cores
+
+    workers = min(len(calls), usable_cores())
+
+    def say(done: int) -> None:
+        progress(f"plan: fake training steps {done}/{len(calls)} done ({max(workers, 1)} at a time{deep}), "
+                 f"{time.perf_counter() - started:.0f} s so far")
+
+    if workers <= 1:
+        out = []
+        for call in calls:
+            say(len(out))
+            out.append(_step(call))
+        return out
+    import concurrent.futures
+    import multiprocessing
+
+    say(0)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(_step, call) for call in calls]
+        for done, _ in enumerate(concurrent.futures.as_completed(futures), 1):
+            say(done)
+        return [f.result() for f in futures]
+
+
+# What the analytic model may overstate, where it models rather than counts: the sharded state and the gathered
+# buffers are arithmetic on the parameter counts (the fake step reads them within 1%), the activations a model of
+# what a block saves (within 40% of the fake step on every model tried, docs/planner.md).
+STATE_FLOOR, ACTIVATION_FLOOR = 0.9, 0.5
+
+
+def least_peak(row: Dict[str, Any]) -> float:
+    """A floor under the peak the fake step could measure for ``row``: its GPU state and gathered buffers less
+    10%, and half its analytic activations. A row above the GPU's usable memory by this floor is not stepped."""
+    state = row["gpu_state_bytes"] + row["gather_buffer_bytes"] + row["grad_buffer_bytes"]
+    return STATE_FLOOR * state + ACTIVATION_FLOOR * (row["activation_bytes"] + row["logits_bytes"])
 
 
 def progress(line: Optional[str]) -> None:
@@ -103,7 +164,9 @@ def measure_tp_contenders(rows: List[Dict[str, Any]], tp_rows: List[Dict[str, An
                                best["activation_checkpointing"], work.precision, work.micro_batch_size, work.seq_len,
                                work.optimizer, work.param_dtype, shard_group_size=group,
                                block_classes=model.block_classes, wrap_blocks=model.wrap_blocks,
-                               trust_remote_code=model.trust_remote_code, tp=best["tp_size"], tp_plan=model.tp_plan)
+                               trust_remote_code=model.trust_remote_code, tp=best["tp_size"], tp_plan=model.tp_plan,
+                               loss_chunks=work.loss_chunks, checkpointing_mode=work.checkpointing_mode,
+                               checkpointing_every=work.checkpointing_every)
         except ShardlightError as exc:
             # The row keeps its analytic peak; the plan still stands, and says why it was not measured.
             best["memory_source"] = "analytic"

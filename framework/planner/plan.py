@@ -269,9 +269,11 @@ def memory_line(memory: Dict[str, Any]) -> str:
         depths = memory.get("depths") or []
         scaled = (f", each stepped {depths[0]} and {depths[1]} blocks deep and scaled to the model's depth"
                   if len(depths) == 2 else "")
+        skipped = (f"; {memory['skipped']} configurations that cannot fit by their analytic floor (state, gathered "
+                   f"buffers, half the activations) not stepped" if memory.get("skipped") else "")
         return (f"memory: measured, one fake-tensor training step per configuration ({memory['steps']} steps on a "
-                f"fake {memory['world_size']}-rank process group{scaled}, {memory['seconds']:.1f} s); 'analytic' is "
-                f"the closed-form model, 'diff' the measured peak against it")
+                f"fake {memory['world_size']}-rank process group{scaled}, {memory['seconds']:.1f} s{skipped}); "
+                f"'analytic' is the closed-form model, 'diff' the measured peak against it")
     return f"memory: analytic model ({memory.get('reason', 'no model config to run')})"
 
 

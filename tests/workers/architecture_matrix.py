@@ -68,7 +68,7 @@ def preflight_models(families):
 
 def train(cfg, version: int, rank: int):
     from shardlight.build import build_hf_model
-    from shardlight.causal_lm import loss_sum
+    from shardlight.lm_loss import loss_sum
     from shardlight.strategy import apply_fsdp1, apply_fsdp2, resolve_recipe_fsdp
     from shardlight.strategy.fsdp2 import fsdp2_mesh
 
