@@ -2,8 +2,7 @@
 
 * Stability: the windows of real 2-rank runs (recorded once by ``tests/workers/record_windows.py``: the
   default recipe, a straggler, a slow input, a compute-bound batch) replayed as five runs each, every run a
-  different draw of the windows with noise added to every rank's times: the five labels are one. And five live
-  runs of the default recipe (slow): one label.
+  different draw of the windows with noise added to every rank's times: the five labels are one.
 * Consistency, over generated windows (every verdict, memory, alternatives, wrap and TP inputs): the panel
   never calls communication hidden while exposed communication is 5% of the step or more; an "A or B" label's
   numbers are the ones its certainty line shows; every recipe key an action names, and every change it
@@ -20,7 +19,7 @@ import re
 from dataclasses import fields
 
 import pytest
-from conftest import DEFAULT_RECIPE, REPO, run_cli
+from conftest import REPO
 from test_diagnosis import alt, analysis, memory, rank
 
 from shardlight.diagnosis import VERDICTS, render_panel
@@ -68,22 +67,6 @@ def test_the_same_run_gets_the_same_verdict_five_times_out_of_five(case):
     assert all(not d.provisional and d.windows[0] >= 10 for d in results)  # judged after warm-up only
     if EXPECTED[case] is not None:
         assert EXPECTED[case] in labels[0].split(" or "), labels
-
-
-@pytest.mark.slow
-def test_five_live_runs_of_the_default_recipe_get_one_verdict(tmp_path):
-    """The default recipe as a user runs it (its comm windows scheduled from the run's own length), 60 steps on 2
-    gloo ranks, five times: one label five times out of five, a verdict or the same "X or Y" pair."""
-    labels = []
-    for run in range(5):
-        summary = tmp_path / f"summary-{run}.json"
-        result = run_cli(["train", str(DEFAULT_RECIPE), f"output_dir={tmp_path / str(run)}", "--summary-json",
-                          str(summary), "trainer.max_steps=60", "trainer.limit_val_batches=0",
-                          "export.at_end=false", "checkpoint.enabled=false", "logging.wandb.enabled=false",
-                          "trainer.progress_bar=false"])
-        assert result.returncode == 0, result.stderr[-3000:]
-        labels.append(json.loads(summary.read_text())["verdict_label"])
-    assert len(set(labels)) == 1 and labels[0], labels
 
 
 def test_warm_up_windows_are_judged_only_when_there_is_nothing_else():
