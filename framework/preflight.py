@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import math
 import os
 import shutil
 import sys
@@ -29,7 +28,7 @@ from shardlight.fake_tensors import fake_process_group, fake_training_step, shal
 from shardlight.lm_loss import logit_transform
 from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
-from shardlight.run_context import RunContext
+from shardlight.run_context import RunContext, usable_cores
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
 from shardlight.strategy.sharded_load import checkpoint_keys, largest_read_bytes, load_host_bytes
 from shardlight.strategy.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -122,19 +121,6 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
     if step:
         check_model_step(cfg, config, skeleton, resolved)
     return skeleton, classes
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: a Slurm step or taskset may allow fewer than the machine has (its
-    affinity), a container fewer than both (its cgroup's CPU quota; its ``os.cpu_count()`` is the host's)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:  # cgroup v2: "QUOTA PERIOD", or "max PERIOD" for no limit
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max" and int(period) > 0:
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
 
 
 def check_cpu_ranks(cfg: RecipeConfig) -> None:

@@ -11,6 +11,7 @@ rank agrees on one run dir, one resume checkpoint and one W&B run. No other modu
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,3 +112,15 @@ class RunContext:
     def replace(self, **changes) -> "RunContext":
         return dataclasses.replace(self, **changes)
 
+
+def usable_cores() -> int:
+    """The cores this process may run on: a Slurm step or taskset may allow fewer than the machine has (its
+    affinity), a container fewer than both (its cgroup's CPU quota; its ``os.cpu_count()`` is the host's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:  # cgroup v2: "QUOTA PERIOD", or "max PERIOD" for no limit
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores

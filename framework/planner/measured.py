@@ -22,6 +22,7 @@ from shardlight.errors import ShardlightError
 from shardlight.planner.fake_step import measured_depths, step_memory
 from shardlight.planner.inputs import Cluster, Workload
 from shardlight.planner.recommend import choose, label
+from shardlight.run_context import usable_cores
 
 FAKE_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 FAKE_OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -101,8 +102,6 @@ def _step(call: Tuple[Any, Dict[str, Any]]) -> Dict[str, Any]:
 def _stepped(calls: List[Tuple[Any, Dict[str, Any]]], deep: str, started: float) -> List[Dict[str, Any]]:
     """Each call's fake step, in order: one per core at a time in forked processes (the steps are independent
     and CPU-bound; a 70B plan's three take half the time on 2 cores), in this process when one core or step."""
-    from shardlight.preflight import usable_cores
-
     workers = min(len(calls), usable_cores())
 
     def say(done: int) -> None:
