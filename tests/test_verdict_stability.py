@@ -16,6 +16,7 @@ import functools
 import json
 import random
 import re
+import statistics
 from dataclasses import fields
 
 import pytest
@@ -102,7 +103,36 @@ def test_a_class_on_its_threshold_is_named_with_its_rival_not_flipped():
         assert result.label == "host-bound or compute-bound", (idle, result.label, result.spread)
         assert result.headline.startswith("host-bound or compute-bound: idle ")
     clear = diagnose_run(host(40.0))
-    assert clear.label == "host-bound" and "idle 40 ± 2% of the step (threshold 20%)" in clear.certainty
+    assert clear.label == "host-bound" and "idle 40 ± 5% of the step (threshold 20%)" in clear.certainty
+
+
+def _steps_window(idles, compute_total=95.0):
+    """One window of len(idles) steps, both ranks alike, step n idle ``idles[n]`` ms of a 100 ms step (the rest
+    compute, 4 ms transfer, 1 ms wait), with each step's split as the trace analysis gives it."""
+    entries = [rank(wall=100, compute=compute_total - idle, overlapped=0, transfer=4, wait=1, input_wait=0, steps=1)
+               for idle in idles]
+    steps = {str(n + 1): {"compute_us": e["compute_us"], "overlap_us": e["overlap_us"],
+                          **{k: e["split"][k] for k in ("wall_us", "exposed_wait_us", "exposed_transfer_us",
+                                                        "input_us", "input_wait_us")}}
+             for n, e in enumerate(entries)}
+    window = rank(wall=100, compute=compute_total - sum(idles) / len(idles), overlapped=0, transfer=4, wait=1,
+                  input_wait=0, steps=len(idles))
+    window["steps"] = steps
+    return analysis(window, copy.deepcopy(window))
+
+
+def test_the_steps_of_one_window_say_how_sure_the_verdict_is():
+    """Idle 30% of the step on average: steady steps (30 each) clear the 20% threshold by more than the 5-point
+    floor; steps alternating 10 and 50 do not (their mean's standard error, 23.1 / 2 = 11.5 points, is the
+    uncertainty): the same mean, a different certainty, recovered from one window's steps."""
+    steady = diagnose_run([(20, _steps_window([30.0] * 4))])
+    assert steady.label == "host-bound" and steady.spread["host-bound"] == pytest.approx([30.0, 5.0])
+    scattered = diagnose_run([(20, _steps_window([10.0, 50.0] * 2))])
+    assert scattered.label == "host-bound or compute-bound"
+    mean, uncertainty = scattered.spread["host-bound"]
+    assert mean == pytest.approx(30.0) and uncertainty == pytest.approx(statistics.stdev([10, 50] * 2) / 2)
+    assert scattered.headline.startswith("host-bound or compute-bound: idle 30 ± 12%")
+    assert "1 window(s), 4 step(s) after warm-up" in scattered.certainty
 
 
 # --- consistency over generated windows ---------------------------------------------------------------------
@@ -187,7 +217,7 @@ def test_no_output_contradicts_its_own_numbers():
         assert diagnosis.verdict in named and all(v in VERDICTS for v in named) and len(set(named)) == len(named)
         assert text.splitlines()[1].strip("│ ").startswith(diagnosis.headline[:60])
         for verdict in named:
-            if verdict in diagnosis.spread and len(named) == 2:
+            if verdict in diagnosis.spread and len(named) > 1:
                 mean, spread = diagnosis.spread[verdict]
                 assert f"{mean:.0f} ± {spread:.0f}%" in diagnosis.headline, (diagnosis.headline, diagnosis.spread)
         for action in diagnosis.actions:

@@ -1,8 +1,9 @@
 """The run's verdict across its profiled windows, and how sure it is.
 
-One window is one sample of a noisy machine: on a shared host the same recipe's windows differ by several
-points of the step, so a verdict read off one window (or the first, during warm-up) flips between runs. The
-run's verdict is therefore judged on every analysed window after warm-up:
+One window is one sample of a noisy machine: on a shared host the same recipe's steps differ by several points
+of the step (the default recipe on 2 CPU ranks: idle, compute, exposed transfer and wait each vary by 4-7 points
+from step to step), so a verdict read off one step, or off the first window during warm-up, flips between runs.
+The run's verdict is therefore judged on every analysed step of every window after warm-up:
 
 * **Judged windows**: those starting ``diagnosis.warmup_steps`` or more after the run's first step (a resumed
   run's resume step). When there are none (a run too short for a second window) the early ones, and the
@@ -10,12 +11,16 @@ run's verdict is therefore judged on every analysed window after warm-up:
 * **The verdict**: ``diagnose`` of the judged windows taken as one long window (each rank's times and steps
   summed over them: the step-weighted mean split), so its headline, bar, evidence and actions are one set of
   numbers.
-* **How sure**: each class's share in every judged window, as mean ± spread (the windows' standard
-  deviation, never below ``diagnosis.noise_pct``: a few alike windows say little about the next run). Two
-  classes are named, "host-bound or straggler-bound: idle 20 ± 3%, wait 17 ± 4%", when the winner's share is
-  within its spread of its threshold (with the class that wins without it), or another class that could fire
-  is within their spreads of it. The pair is written in the table's order, so runs that differ by noise only
-  print the same words.
+* **How sure**: each class's share in every judged step (a window of ``callbacks.comm.active`` recorded steps
+  gives all but its last) gives the standard error of the run's share; its uncertainty is that, never below
+  ``diagnosis.noise_pct``: back-to-back runs of one recipe differ by more than one run's steps say (5 points on
+  the 2-core test host), and a run of one analysed step says nothing of its scatter.
+* **The label** names every class that cannot be told apart from the verdict, in the table's order: the
+  leader (the largest share that could pass its threshold, raised by its uncertainty), every other class that
+  could pass its own and reach the leader's lower edge, and compute-bound when the leader, lowered by its
+  uncertainty, does not clear its threshold. One class: its name; several: "host-bound or compute-bound: idle
+  21 ± 5%, compute 59 ± 5%". Each class is in or out by its own band, so runs that differ by noise print the
+  same words.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from shardlight.diagnosis.facts import gather_facts
 from shardlight.diagnosis.result import VERDICTS, Diagnosis
-from shardlight.diagnosis.step_split import SPLIT_KEYS
+from shardlight.diagnosis.step_split import SPLIT_KEYS, overall_split, shares, split_by_rank
 from shardlight.diagnosis.verdicts import FALLBACK, MEASURES, RULES_BY_VERDICT, diagnose
 from shardlight.errors import ShardlightError
 from shardlight.recipe.instrument_sections import DiagnosisConfig
@@ -32,6 +38,7 @@ from shardlight.recipe.instrument_sections import DiagnosisConfig
 Window = Tuple[int, Mapping[str, Any]]  # (start step, the window's analysis combined across ranks)
 _RANK_TOTALS = ("compute_us", "overlap_us")
 _COLLECTIVE_TOTALS = ("comm_us", "exposed_comm_us", "overlap_us", "count")
+_STEP_KEYS = tuple(k for k in SPLIT_KEYS if k != "steps")  # what each analysed step carries of the split
 
 
 def judged_windows(windows: Sequence[Window], run_start: int, warmup_steps: int) -> Tuple[List[Window], bool]:
@@ -83,35 +90,54 @@ def combined_analysis(analyses: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     return {**latest, "ranks": ranks}
 
 
-def _stats(values: Sequence[float], floor: float) -> Tuple[float, float]:
-    mean = statistics.fmean(values)
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return mean, max(spread, floor)
+def _uncertainty(values: Sequence[float], floor: float) -> float:
+    """How far the run's share may be from the share of another run of the same recipe: the standard error of
+    the steps' mean, never below ``floor`` (what runs differ by beyond their own steps' scatter)."""
+    error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    return max(error, floor)
 
 
-def rival(primary: str, stats: Mapping[str, Tuple[float, float]], config: DiagnosisConfig) -> Optional[str]:
-    """The class the verdict cannot be told apart from, or None. ``stats``: class -> (mean, spread) of its share
-    over the judged windows (the competing classes, and compute-bound)."""
-    competing = [v for v in stats if v != FALLBACK and RULES_BY_VERDICT[v].competes]
+def step_samples(analysis: Mapping[str, Any]) -> List[Mapping[str, Any]]:
+    """The window's analysed steps as one-step analyses (each rank's split, compute and overlap of that step),
+    or the window itself when it has one step or its ranks do not carry per-step splits."""
+    ranks = analysis.get("ranks") or {}
+    per_rank = [result.get("steps") or {} for result in ranks.values()]
+    common = set.intersection(*(set(s for s in steps if str(s).isdigit()) for steps in per_rank)) if per_rank else set()
+    if len(common) < 2 or any(steps[s].get(k) is None for steps in per_rank for s in common for k in _STEP_KEYS):
+        return [analysis]
+    return [{"ranks": {rank: {"compute_us": result["steps"][step].get("compute_us"),
+                              "overlap_us": result["steps"][step].get("overlap_us"),
+                              "split": {**{k: result["steps"][step][k] for k in _STEP_KEYS}, "steps": 1}}
+                       for rank, result in ranks.items()}}
+            for step in sorted(common, key=int)]
+
+
+def named_classes(primary: str, stats: Mapping[str, Tuple[float, float]], config: DiagnosisConfig) -> List[str]:
+    """The classes the verdict cannot be told apart from, the verdict's own included, in the table's order.
+    ``stats``: class -> (the run's share, its uncertainty) for the competing classes and compute-bound. The
+    leader is the largest share that could pass its threshold; named with it: every class that could pass its
+    own and reach the leader's lower edge, and compute-bound when the leader may not pass its threshold."""
+    competing = [v for v in VERDICTS if v in stats and v != FALLBACK and RULES_BY_VERDICT[v].competes]
+    if primary != FALLBACK and primary not in competing:
+        return [primary]  # memory-bound does not compete on shares
     limit = {v: float(getattr(config, RULES_BY_VERDICT[v].threshold_key)) for v in competing}
+    low = {v: stats[v][0] - stats[v][1] for v in competing}
+    high = {v: stats[v][0] + stats[v][1] for v in competing}
+    could = [v for v in competing if high[v] > limit[v]]
+    if not could:
+        return [FALLBACK]
+    leader = max(could, key=lambda v: stats[v][0])
+    named = {v for v in could if high[v] >= low[leader]} | {primary}
+    if low[leader] <= limit[leader]:
+        named.add(FALLBACK)
+    return sorted(named, key=VERDICTS.index)
 
-    def mean(v: str) -> float:
-        return stats[v][0]
 
-    def could_fire(v: str) -> bool:
-        return mean(v) + stats[v][1] > limit[v]
-
-    if primary == FALLBACK:
-        near = [v for v in competing if could_fire(v)]
-        return max(near, key=mean) if near else None
-    if primary not in competing:
-        return None  # memory-bound does not compete on shares
-    if mean(primary) - stats[primary][1] <= limit[primary]:  # within its noise of its own threshold
-        others = [v for v in competing if v != primary and mean(v) > limit[v]]
-        return max(others, key=mean) if others else FALLBACK
-    close = [v for v in competing if v != primary and could_fire(v)
-             and mean(primary) - mean(v) <= stats[primary][1] + stats[v][1]]
-    return max(close, key=mean) if close else None
+def _scores(analysis: Mapping[str, Any], config: DiagnosisConfig) -> Dict[str, Optional[float]]:
+    by_rank = split_by_rank(analysis)
+    split = overall_split(by_rank)
+    facts = gather_facts(analysis, by_rank, split, shares(split), config=config)
+    return {verdict: RULES_BY_VERDICT[verdict].share(facts) for verdict in MEASURES}
 
 
 def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: DiagnosisConfig = DiagnosisConfig(),
@@ -122,26 +148,24 @@ def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: Diagn
         raise ShardlightError("no analysed window to judge")
     used, provisional = judged_windows(windows, run_start, config.warmup_steps)
     overall = diagnose(combined_analysis([a for _, a in used]), config=config, **inputs)
-    per_window = [diagnose(a, config=config, **inputs).scores for _, a in used]
-    stats: Dict[str, Tuple[float, float]] = {}
+    per_step = [_scores(sample, config) for _, a in used for sample in step_samples(a)]
+    stats: Dict[str, Tuple[float, float]] = {}  # the bar's own share, and how sure it is
     for verdict in MEASURES:
-        values = [s[verdict] for s in per_window if s.get(verdict) is not None]
-        if values:
-            stats[verdict] = _stats(values, config.noise_pct)
-    other = rival(overall.verdict, stats, config) if overall.verdict in stats else None
+        values = [s[verdict] for s in per_step if s.get(verdict) is not None]
+        if values and overall.scores.get(verdict) is not None:
+            stats[verdict] = (float(overall.scores[verdict]), _uncertainty(values, config.noise_pct))
+    named = named_classes(overall.verdict, stats, config) if overall.verdict in stats else [overall.verdict]
     steps = [start for start, _ in used]
     overall.windows, overall.run_start, overall.provisional = steps, run_start, provisional
     overall.spread = {v: [m, s] for v, (m, s) in stats.items()}
-    if other is not None:
-        pair = sorted((overall.verdict, other), key=VERDICTS.index)
-        overall.label = " or ".join(pair)
+    overall.label = " or ".join(named)
+    if len(named) > 1:
         overall.headline = overall.label + ": " + ", ".join(
-            f"{MEASURES[v]} {stats[v][0]:.0f} ± {stats[v][1]:.0f}%" for v in pair)
-    else:
-        overall.label = overall.verdict
+            f"{MEASURES[v]} {stats[v][0]:.0f} ± {stats[v][1]:.0f}%" for v in named)
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    judged = (f"provisional: judged on {len(steps)} warm-up window(s) ({where}); a run of 30 steps or more gets "
-              "one after warm-up" if provisional else f"judged on {len(steps)} window(s) after warm-up ({where})")
+    counted = f"{len(steps)} window(s), {len(per_step)} step(s)"
+    judged = (f"provisional: judged on {counted} of warm-up ({where}); a run of 30 steps or more gets a window "
+              "after warm-up" if provisional else f"judged on {counted} after warm-up ({where})")
     shown = [v for v in (overall.label.split(" or ")) if v in stats]
     if shown:
         judged += ": " + ", ".join(_measure_line(v, stats[v], config) for v in shown)

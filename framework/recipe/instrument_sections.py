@@ -187,11 +187,12 @@ class DiagnosisConfig:
                           "and then says it is provisional)."},
     )
     noise_pct: float = field(
-        default=2.0,
+        default=5.0,
         metadata={"min": 0, "max": 100,
-                  "help": "The least noise (percentage points of the step) a class's share is taken to have, "
-                          "however alike its windows: two classes, or a class and its threshold, closer than "
-                          "their noise give an 'X or Y' verdict instead of a coin flip."},
+                  "help": "The least uncertainty (percentage points of the step) a class's share is taken to have, "
+                          "however alike the run's steps: what back-to-back runs of one recipe differ by. Classes "
+                          "closer than that to their thresholds, or to each other, are named together ('X or Y') "
+                          "instead of a coin flip."},
     )
 
 
