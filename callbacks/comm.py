@@ -92,7 +92,7 @@ class CommTimeCallback(Callback):
     """
 
     def __init__(self, run_dir: Path, every_n_steps: int = 50, first_step: Optional[int] = 5, wait: int = 0,
-                 warmup: int = 1, active: int = 2, per_rank: bool = True, keep_windows: Optional[int] = 10,
+                 warmup: int = 1, active: int = 4, per_rank: bool = True, keep_windows: Optional[int] = 10,
                  table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: bool = False,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,

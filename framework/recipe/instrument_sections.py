@@ -44,10 +44,11 @@ class CommConfig:
         default=1, metadata={"non_negative": True, "help": "Profiler schedule: warm-up steps (traced, not recorded)."}
     )
     active: int = field(
-        default=2,
+        default=4,
         metadata={"positive": True,
                   "help": "Profiler schedule: recorded steps; the last is dropped in analysis, as HTA drops it, "
-                          "so the profiler stops as it begins (not recorded in full)."},
+                          "so the profiler stops as it begins (not recorded in full). Each analysed step is one "
+                          "sample of the verdict's uncertainty."},
     )
     per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
     keep_windows: Optional[int] = field(
