@@ -19,8 +19,8 @@ The run's verdict is therefore judged on every analysed step of every window aft
   leader (the largest share that could pass its threshold, raised by its uncertainty), every other class that
   could pass its own and reach the leader's lower edge, and compute-bound when the leader, lowered by its
   uncertainty, does not clear its threshold. One class: its name; several: "host-bound or compute-bound: idle
-  21 ± 5%, compute 59 ± 5%". Each class is in or out by its own band, so runs that differ by noise print the
-  same words.
+  21 ± 5%, compute 59 ± 5%". Each class is in or out by its own band, so the label changes between runs
+  only when a share crosses the edge of its band (``benchmarks/verdict_stability.py`` measures how often).
 """
 
 from __future__ import annotations
