@@ -1,5 +1,6 @@
 """Does the same recipe get the same verdict? The default recipe run ``--runs`` times back to back (2 gloo ranks,
-its own settings, W&B off), each run's end-of-run label read from its ``diagnosis.json``.
+its own settings; W&B, the progress bar and the final export off), each run's end-of-run label read from its
+``diagnosis.json``.
 
 The JSON line's ``ratio`` is the share of runs whose label is the most common one (target 1.0: every run the
 same words); ``labels`` lists them in run order, and ``shares`` each class's run-level share as [lowest,
