@@ -26,11 +26,10 @@ The run's verdict is therefore judged on every analysed step of every window aft
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-from shardlight.diagnosis.facts import gather_facts
 from shardlight.diagnosis.result import VERDICTS, Diagnosis
-from shardlight.diagnosis.step_split import SPLIT_KEYS, overall_split, shares, split_by_rank
+from shardlight.diagnosis.step_split import SPLIT_KEYS
 from shardlight.diagnosis.verdicts import FALLBACK, MEASURES, RULES_BY_VERDICT, diagnose
 from shardlight.errors import ShardlightError
 from shardlight.recipe.instrument_sections import DiagnosisConfig
@@ -133,13 +132,6 @@ def named_classes(primary: str, stats: Mapping[str, Tuple[float, float]], config
     return sorted(named, key=VERDICTS.index)
 
 
-def _scores(analysis: Mapping[str, Any], config: DiagnosisConfig) -> Dict[str, Optional[float]]:
-    by_rank = split_by_rank(analysis)
-    split = overall_split(by_rank)
-    facts = gather_facts(analysis, by_rank, split, shares(split), config=config)
-    return {verdict: RULES_BY_VERDICT[verdict].share(facts) for verdict in MEASURES}
-
-
 def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: DiagnosisConfig = DiagnosisConfig(),
                  **inputs: Any) -> Diagnosis:
     """The run's verdict from its windows (``(start step, analysis)``, oldest first), ``inputs`` as ``diagnose``
@@ -148,7 +140,7 @@ def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: Diagn
         raise ShardlightError("no analysed window to judge")
     used, provisional = judged_windows(windows, run_start, config.warmup_steps)
     overall = diagnose(combined_analysis([a for _, a in used]), config=config, **inputs)
-    per_step = [_scores(sample, config) for _, a in used for sample in step_samples(a)]
+    per_step = [diagnose(sample, config=config).scores for _, a in used for sample in step_samples(a)]
     stats: Dict[str, Tuple[float, float]] = {}  # the bar's own share, and how sure it is
     for verdict in MEASURES:
         values = [s[verdict] for s in per_step if s.get(verdict) is not None]
