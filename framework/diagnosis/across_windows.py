@@ -1,7 +1,7 @@
 """The run's verdict across its profiled windows, and how sure it is.
 
 One window is one sample of a noisy machine: on a shared host the same recipe's steps differ by several points
-of the step (the default recipe on 2 CPU ranks: idle, compute, exposed transfer and wait each vary by 4-7 points
+of the step (the default recipe on 2 CPU ranks: idle, compute, exposed transfer and wait each vary by 4-9 points
 from step to step), so a verdict read off one step, or off the first window during warm-up, flips between runs.
 The run's verdict is therefore judged on every analysed step of every window after warm-up:
 
