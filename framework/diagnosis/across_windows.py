@@ -13,8 +13,9 @@ The run's verdict is therefore judged on every analysed step of every window aft
   numbers.
 * **How sure**: each class's share in every judged step (a window of ``callbacks.comm.active`` recorded steps
   gives all but its last) gives the standard error of the run's share; its uncertainty is that, never below
-  ``diagnosis.noise_pct``: back-to-back runs of one recipe differ by more than one run's steps say (5 points on
-  the 2-core test host), and a run of one analysed step says nothing of its scatter.
+  ``diagnosis.noise_pct``: back-to-back runs of one recipe differ by more than one run's steps say (3-8 points on
+  the 2-core test host; 5 is a compromise, a larger floor names more classes in every verdict), and a run of
+  one analysed step says nothing of its scatter.
 * **The label** names every class that cannot be told apart from the verdict, in the table's order: the
   leader (the largest share that could pass its threshold, raised by its uncertainty), every other class that
   could pass its own and reach the leader's lower edge, and compute-bound when the leader, lowered by its
