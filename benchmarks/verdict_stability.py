@@ -7,7 +7,7 @@ same words); ``labels`` lists them in run order, and ``shares`` each class's run
 highest] over the runs with its uncertainty (the labels move when a share crosses its band's edge between
 runs). A count, not a timing: no pairs, no A/A noise.
 
-    python benchmarks/verdict_stability.py [--runs N] [--timeout-s S] [RECIPE OVERRIDES ...]
+    python benchmarks/verdict_stability.py [--runs N] [--timeout-s S] [--keep DIR] [RECIPE OVERRIDES ...]
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="back-to-back runs (default 5)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="the most one run may take")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep the runs' directories here (to re-judge them offline); default: a temporary one")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run (key=value)")
     args = parser.parse_args(argv)
     diagnoses = []
-    with tempfile.TemporaryDirectory(prefix="verdict_stability_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="verdict_stability_") as scratch:
+        tmp = args.keep or scratch
         for n in range(args.runs):
             diagnoses.append(one_run(Path(tmp) / f"run{n}", args.overrides, args.timeout_s))
             print(f"# run {n + 1}/{args.runs}: {diagnoses[-1]['label']}", file=sys.stderr, flush=True)

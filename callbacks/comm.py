@@ -73,6 +73,7 @@ class CommTimeCallback(Callback):
         first_step: the early window's first step (None or 0: none).
         overhead_budget: the largest share of training time the windows may cost (None or 0: no budget):
             each window's measured cost spaces the next (:mod:`shardlight.callbacks._comm_schedule`).
+        judged_windows: windows after warm-up a run of 30 steps or more gets whatever the budget, spread over it.
         wait, warmup, active: ``torch.profiler.schedule`` of a window (``active`` steps are recorded, the last
             only begun: the analysis drops it).
         per_rank: also log ``comm/rank<R>/...`` keys.
@@ -96,7 +97,8 @@ class CommTimeCallback(Callback):
                  table: Optional[RankTable] = None, gather_delay: int = 5, record_shapes: bool = False,
                  print_windows: bool = True, findings: Optional[Findings] = None,
                  diagnosis: Optional[DiagnosisConfig] = None, micro_batch_size: Optional[int] = None,
-                 tp_size: int = 1, save_traces: bool = True, overhead_budget: Optional[float] = None) -> None:
+                 tp_size: int = 1, save_traces: bool = True, overhead_budget: Optional[float] = None,
+                 judged_windows: int = 4) -> None:
         self.trace_root = Path(run_dir) / TRACE_DIR
         self.every_n_steps = every_n_steps
         self.first_step = first_step or None
@@ -105,6 +107,7 @@ class CommTimeCallback(Callback):
         # Steps run under the profiler in full: the last active step only begins (see on_train_batch_end).
         self.full_steps = max(1, self.length - 1)
         self.schedule = WindowSchedule(every_n_steps, self.first_step, self.length, overhead_budget)
+        self.judged_windows = judged_windows
         self.keep_windows = keep_windows
         self.table = table
         self.gather_delay = gather_delay
@@ -120,6 +123,7 @@ class CommTimeCallback(Callback):
         self._pending: Optional[Dict[str, Any]] = None
         self._last_step = -1
         self._saved: List[Path] = []
+        self._val_began: Optional[float] = None
 
     # --- schedule -------------------------------------------------------------------------------------
     def is_window_start(self, step: int, max_steps: int) -> bool:
@@ -142,7 +146,26 @@ class CommTimeCallback(Callback):
         self.findings.run_start = trainer.global_step
         self.schedule.plan_run(trainer.global_step, self._max_steps(trainer),
                                warmup_steps=self.report.diagnosis.warmup_steps,
-                               gather_delay=self.gather_delay)
+                               gather_delay=self.gather_delay, judged_windows=self.judged_windows,
+                               val_every=self._val_every(trainer))
+
+    @staticmethod
+    def _val_every(trainer: pl.Trainer) -> Optional[int]:
+        """Optimizer steps between validation passes (None: none, or not every so many batches)."""
+        interval = trainer.val_check_interval
+        if not trainer.limit_val_batches or not isinstance(interval, int) or isinstance(interval, bool):
+            return None
+        return max(1, interval // trainer.accumulate_grad_batches)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._val_began = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val_began is not None:  # a pass inside a window's span is the trainer's work, not the window's
+            self.schedule.set_aside(time.perf_counter() - self._val_began)
+        self._val_began = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -379,4 +402,5 @@ def build(config: CommConfig, ctx: RunContext, shared: Shared) -> CommTimeCallba
         table=shared.table, record_shapes=config.record_shapes, print_windows=config.print_windows,
         findings=shared.findings, diagnosis=shared.diagnosis, micro_batch_size=shared.micro_batch_size,
         tp_size=shared.tp_size, save_traces=config.save_traces, overhead_budget=config.overhead_budget,
+        judged_windows=config.judged_windows,
     )

@@ -124,6 +124,7 @@ def full_shard_run(tmp_path_factory):
     baseline.write_text(json.dumps({"tokens_per_sec_per_device": 1000.0}))
     summary, result = train(
         run_cli, tmp, "trainer.max_steps=40", "callbacks.comm.every_n_steps=20", "callbacks.comm.overhead_budget=null",
+        "callbacks.comm.judged_windows=1",
         "logging.wandb.mode=offline",
         "callbacks.throughput.peak_tflops=100", f"callbacks.throughput.baseline_file={baseline}",
     )
@@ -140,7 +141,7 @@ def test_full_shard_metrics_in_csv_are_sane(full_shard_run):
     for key in COMM_KEYS + MEMORY_KEYS + THROUGHPUT_KEYS:
         assert values(rows, key), f"{key} missing from metrics.csv"
     windows = values(rows, "comm/window_start_step")
-    assert windows == [5.0, 20.0], windows  # once early, then every 20 steps
+    assert windows == [5.0, 20.0], windows  # once early, then every 20 steps (20 is the one judged window)
     for row in rows:
         if not row.get("comm/total_ms"):
             continue
@@ -306,16 +307,35 @@ def test_every_run_of_30_steps_gets_a_window_after_warm_up_counted_from_its_own_
     assert starts == [5]  # shorter than 30 steps: the early window alone (a provisional verdict)
 
 
-def simulate_schedule(budget, drift_s=0.0, begin=0, end=3000, planned=False):
-    """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps, steps begin..end."""
+def test_a_run_gets_its_judged_windows_spread_over_it_and_the_budget_s_own_count():
+    """Four windows after warm-up: a 200-step run, whose budget would give none, gets them due at even steps up
+    to its last chance (192 = 200 - 3 - 5); a long run's budget gives four on its own, so nothing is added; a
+    run too short for four spaced windows takes them back to back, each once the last one's cost is agreed."""
+    schedule, starts, _ = simulate_schedule(0.01, end=200, planned=True, judged=4)
+    assert schedule.judged_due == [56, 101, 146, 192] and starts == [5, 56, 101, 146, 192]
+    schedule, starts, _ = simulate_schedule(0.01, end=3000, planned=True, judged=4)
+    assert starts == [5, 450, 850, 1250, 1650, 2050, 2450, 2850]  # the budget's windows, as without judged ones
+    _, starts, _ = simulate_schedule(0.01, begin=100, end=160, planned=True, judged=4)
+    assert starts == [105, 121, 137, 153]  # due at 120, 131, 142, 152: each once the last one's cost is agreed
+    # Validation (1 s) after every 51st step: no window records across a pass (the one due at 101 would record
+    # 101-103 around the pass after step 102: it starts at 102), and a pass is no cost of a window, whether it
+    # runs just before the window's first step (102) or before its gather (153, the window at 146).
+    schedule, starts, _ = simulate_schedule(0.01, end=200, planned=True, judged=4, val_every=51)
+    assert starts == [5, 56, 102, 146, 192]
+    assert all(cost == pytest.approx(0.320) for start, cost in schedule.costs.items() if start > 5), schedule.costs
+
+
+def simulate_schedule(budget, drift_s=0.0, begin=0, end=3000, planned=False, judged=1, val_every=None):
+    """A known cost (each window's steps 100 ms slower, its gather 20 ms) on 80 ms steps, steps begin..end; a
+    validation pass of 1 s after every ``val_every`` steps."""
     schedule = WindowSchedule(every_n_steps=50, first_step=5, length=3, budget=budget)
     if planned:
-        schedule.plan_run(begin, end, warmup_steps=10, gather_delay=5)
+        schedule.plan_run(begin, end, warmup_steps=10, gather_delay=5, judged_windows=judged, val_every=val_every)
     clock, starts = 0.0, []
     for step in range(begin + 1, end):
         if schedule.is_start(step - 1, max_steps=end):
             starts.append(step - 1)
-            schedule.window_opened(step - 1)
+            schedule.window_opened(step - 1, clock)
         recording = schedule.open_window is not None and step <= starts[-1] + 3
         clock += 0.080 + drift_s * step + (0.100 if recording else 0.0)
         schedule.step_done(step, clock)
@@ -324,6 +344,9 @@ def simulate_schedule(budget, drift_s=0.0, begin=0, end=3000, planned=False):
             schedule.window_gathered(clock)
         if schedule.agree_due(step):  # what CommTimeCallback._agree does, without the all-reduce
             schedule.close(starts[-1], *schedule.local_cost())
+        if val_every and step % val_every == 0:  # after the step's hooks, as Lightning validates
+            clock += 1.0
+            schedule.set_aside(1.0)
     return schedule, starts, clock
 
 

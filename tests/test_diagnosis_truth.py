@@ -135,7 +135,7 @@ def test_a_window_that_costs_more_is_measured_and_spaces_the_next(tmp_path):
     # The first window pays the profiler's one-time start-up, so the costly window is compared with the second.
     _, _, rows, _ = bottleneck_run(
         tmp_path, "trainer.max_steps=80", "callbacks.comm.first_step=4", "callbacks.comm.every_n_steps=20",
-        "callbacks.comm.overhead_budget=0.5", "callbacks.comm.record_shapes=true",
+        "callbacks.comm.overhead_budget=0.5", "callbacks.comm.record_shapes=true", "callbacks.comm.judged_windows=1",
         env={"SHARDLIGHT_TEST_WINDOW_COST_MS": str(WINDOW_COST_MS), "SHARDLIGHT_TEST_WINDOW_COST_FROM_STEP": "50"})
     starts = values_of(rows, "comm/window_start_step")
     assert starts == [4.0, 40.0, 60.0] and values_of(rows, "comm/cost_window_start_step") == starts

@@ -1,9 +1,10 @@
 """The run's verdict across its profiled windows, and how sure it is.
 
-One window is one sample of a noisy machine: on a shared host the same recipe's steps differ by several points
-of the step (the default recipe on 2 CPU ranks: idle, compute, exposed transfer and wait each vary by 4-9 points
-from step to step), so a verdict read off one step, or off the first window during warm-up, flips between runs.
-The run's verdict is therefore judged on every analysed step of every window after warm-up:
+One window is one sample of a noisy machine, and its steps are not independent samples: on the 2-core test host
+the default recipe's exposed transfer varies by about 3.6 points of the step between a window's 3 steps, and
+the window's mean by 3 points from window to window, where independent steps would give 2.1 (the host's noise
+drifts over seconds). So a verdict read off one window, or off the first one during warm-up, flips between runs,
+and the run's verdict is judged on several windows spread over the run (``callbacks.comm.judged_windows``):
 
 * **Judged windows**: those starting ``diagnosis.warmup_steps`` or more after the run's first step (a resumed
   run's resume step). When there are none (a run too short for a second window) the early ones, and the
@@ -11,11 +12,12 @@ The run's verdict is therefore judged on every analysed step of every window aft
 * **The verdict**: ``diagnose`` of the judged windows taken as one long window (each rank's times and steps
   summed over them: the step-weighted mean split), so its headline, bar, evidence and actions are one set of
   numbers.
-* **How sure**: each class's share in every judged step (a window of ``callbacks.comm.active`` recorded steps
-  gives all but its last) gives the standard error of the run's share; its uncertainty is that, never below
-  ``diagnosis.noise_pct``: back-to-back runs of one recipe differ by more than one run's steps say (3-8 points on
-  the 2-core test host; 5 is a compromise, a larger floor names more classes in every verdict), and a run of
-  one analysed step says nothing of its scatter.
+* **How sure**: each class's share in every judged window gives the standard error of the run's share (a run
+  with one judged window: its steps, which understate it); its uncertainty is that, never below
+  ``diagnosis.noise_pct`` (5 points): what whole runs differ by beyond their windows' scatter, which no run
+  sees in itself (on the test host, eight default runs judged on 4 windows each: exposed transfer 2.0 points
+  apart, standard deviation, where the windows' scatter explains 1.25), and a margin so that a share near its
+  threshold keeps its band across it from run to run. A larger floor names more classes in every verdict.
 * **The label** names every class that cannot be told apart from the verdict, in the table's order: the
   leader (the largest share that could pass its threshold, raised by its uncertainty), every other class that
   could pass its own and reach the leader's lower edge, and compute-bound when the leader, lowered by its
@@ -92,7 +94,7 @@ def combined_analysis(analyses: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
 
 def _uncertainty(values: Sequence[float], floor: float) -> float:
     """How far the run's share may be from the share of another run of the same recipe: the standard error of
-    the steps' mean, never below ``floor`` (what runs differ by beyond their own steps' scatter)."""
+    the samples' mean, never below ``floor`` (what runs differ by beyond their own scatter)."""
     error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
     return max(error, floor)
 
@@ -141,10 +143,13 @@ def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: Diagn
         raise ShardlightError("no analysed window to judge")
     used, provisional = judged_windows(windows, run_start, config.warmup_steps)
     overall = diagnose(combined_analysis([a for _, a in used]), config=config, **inputs)
-    per_step = [diagnose(sample, config=config).scores for _, a in used for sample in step_samples(a)]
+    # The samples of the run's scatter: its judged windows, or the one window's steps when it has one (they
+    # move together, so their scatter is a lower bound: the floor covers the rest).
+    samples = [a for _, a in used] if len(used) > 1 else step_samples(used[0][1])
+    scores = [diagnose(sample, config=config).scores for sample in samples]
     stats: Dict[str, Tuple[float, float]] = {}  # the bar's own share, and how sure it is
     for verdict in MEASURES:
-        values = [s[verdict] for s in per_step if s.get(verdict) is not None]
+        values = [s[verdict] for s in scores if s.get(verdict) is not None]
         if values and overall.scores.get(verdict) is not None:
             stats[verdict] = (float(overall.scores[verdict]), _uncertainty(values, config.noise_pct))
     named = named_classes(overall.verdict, stats, config) if overall.verdict in stats else [overall.verdict]
@@ -156,7 +161,7 @@ def diagnose_run(windows: Sequence[Window], *, run_start: int = 0, config: Diagn
         overall.headline = overall.label + ": " + ", ".join(
             f"{MEASURES[v]} {stats[v][0]:.0f} ± {stats[v][1]:.0f}%" for v in named)
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    counted = f"{len(steps)} window(s), {len(per_step)} step(s)"
+    counted = f"{len(steps)} window(s)" if len(used) > 1 else f"1 window of {len(samples)} step(s)"
     judged = (f"provisional: judged on {counted} of warm-up ({where}); a run of 30 steps or more gets a window "
               "after warm-up" if provisional else f"judged on {counted} after warm-up ({where})")
     shown = [v for v in (overall.label.split(" or ")) if v in stats]

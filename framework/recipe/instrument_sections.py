@@ -50,6 +50,13 @@ class CommConfig:
                           "so the profiler stops as it begins (not recorded in full). Each analysed step is one "
                           "sample of the verdict's uncertainty."},
     )
+    judged_windows: int = field(
+        default=4,
+        metadata={"positive": True,
+                  "help": "Windows after warm-up that a run of 30 steps or more always gets, spread evenly over it, "
+                          "whatever the budget (the budget's own count): the verdict is judged on them and how "
+                          "they differ is its uncertainty."},
+    )
     per_rank: bool = field(default=True, metadata={"help": "Also log comm/rank<R>/... keys for every rank."})
     keep_windows: Optional[int] = field(
         default=10,
