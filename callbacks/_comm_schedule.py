@@ -179,8 +179,8 @@ class WindowSchedule:
     def is_start(self, step: int, max_steps: int) -> bool:
         if step + self.length > max_steps or self._open is not None:
             return False  # a window that cannot finish, or the last one's cost is not known yet
-        if self.val_every and (step // self.val_every + 1) * self.val_every < step + self.length:
-            return False  # a validation pass would run between two of its recorded steps
+        if self.val_every and self.val_every >= self.length > (step // self.val_every + 1) * self.val_every - step:
+            return False  # a validation pass would run between two of its recorded steps (one fits between)
         if sum(due <= step for due in self.judged_due) > self.judged_opened:
             return True  # fewer windows after warm-up than are due by now
         into = step - self.run_start

@@ -322,6 +322,10 @@ def test_a_run_gets_its_judged_windows_spread_over_it_and_the_budget_s_own_count
     # runs just before the window's first step (102) or before its gather (153, the window at 146).
     schedule, starts, _ = simulate_schedule(0.01, end=200, planned=True, judged=4, val_every=51)
     assert starts == [5, 56, 102, 146, 192]
+    _, starts, _ = simulate_schedule(0.01, end=200, planned=True, judged=4, val_every=2)
+    # Passes closer together than a window's length: windows record across them rather than never run (the
+    # passes slow every other step, so the budget's own windows come at 50 and 100 and count as judged).
+    assert starts == [5, 50, 100, 146, 192]
     assert all(cost == pytest.approx(0.320) for start, cost in schedule.costs.items() if start > 5), schedule.costs
 
 
