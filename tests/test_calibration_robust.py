@@ -177,6 +177,7 @@ def test_sweep_records_several_windows_after_the_first_step(steps, starts, analy
     assert sweep_windows(steps) == (starts, analysed)
     cfg = load_recipe(None, sweep_overrides(steps, Path("/tmp/out")))
     assert cfg.callbacks.comm.first_step == 2 and cfg.callbacks.comm.keep_windows is None
+    assert cfg.callbacks.comm.judged_windows == 1  # the schedule above is the whole of it: no window added
 
 
 def test_version_1_file_reads_and_an_unknown_version_is_one_line(tmp_path, capsys):

@@ -114,7 +114,8 @@ def sweep_overrides(steps: int, out: Path, on_cpu: bool = True) -> List[str]:
     Every window runs, whatever it costs (no ``overhead_budget``), and on CPU records op shapes (the gloo
     collectives' bytes, which the calibration's bandwidth fit needs in every window it reads)."""
     windows = [f"callbacks.comm.{key}={value}" for key, value in window_schedule(steps).items()]
-    windows += ["callbacks.comm.overhead_budget=null", f"callbacks.comm.record_shapes={str(on_cpu).lower()}"]
+    windows += ["callbacks.comm.overhead_budget=null", f"callbacks.comm.record_shapes={str(on_cpu).lower()}",
+                "callbacks.comm.judged_windows=1"]  # the schedule above is the whole schedule
     return [f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={LOG_EVERY}",
             f"trainer.val_every_n_steps={steps * 10}", "trainer.limit_val_batches=1", "trainer.progress_bar=false",
             # The calibration reads every window's trace files.
