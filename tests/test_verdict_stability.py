@@ -155,22 +155,22 @@ def test_several_windows_are_the_samples_not_their_steps():
 
 @pytest.mark.slow
 def test_live_runs_of_the_default_recipe_never_contradict_each_other(tmp_path):
-    """Five 100-step runs of the default recipe back to back (2 gloo ranks): each is judged on windows spread
-    over it after warm-up (never the early one alone), and no two labels contradict each other: every pair names
-    a class in common. The same words five times out of five is not asserted: on the 2-core test host the
+    """Five 60-step runs of the default recipe back to back (2 gloo ranks; no checkpoint, to keep the suite
+    short): each is judged on windows after warm-up (two here, never the early one alone), and no two labels
+    contradict each other: every pair names a class in common. The same words five times out of five is not asserted: on the 2-core test host the
     default recipe's exposed transfer (14-21% across runs) sits within a run-to-run standard deviation or two
     (2 points) of the edge where compute-bound leaves the label (its 15% threshold plus the 5-point band), so
     the words move with it; ``benchmarks/verdict_stability.py`` counts how often."""
     labels = []
     for n in range(5):
         summary = tmp_path / f"summary{n}.json"
-        result = run_cli(["train", f"output_dir={tmp_path / f'run{n}'}", "trainer.max_steps=100",
-                          "trainer.progress_bar=false", "logging.wandb.enabled=false", "export.at_end=false",
+        result = run_cli(["train", f"output_dir={tmp_path / f'run{n}'}", "trainer.max_steps=60",
+                          "checkpoint.enabled=false", "trainer.progress_bar=false", "logging.wandb.enabled=false", "export.at_end=false",
                           "--summary-json", str(summary)])
         assert result.returncode == 0, result.stderr[-3000:]
         run_dir = Path(json.loads(summary.read_text())["run_dir"])
         diagnosis = json.loads((run_dir / "diagnosis.json").read_text())
-        assert not diagnosis["provisional"] and len(diagnosis["windows"]) >= 3, diagnosis["certainty"]
+        assert not diagnosis["provisional"] and len(diagnosis["windows"]) >= 2, diagnosis["certainty"]
         assert min(diagnosis["windows"]) >= DiagnosisConfig().warmup_steps, diagnosis["windows"]
         labels.append(diagnosis["label"])
     for first, second in itertools.combinations(labels, 2):
