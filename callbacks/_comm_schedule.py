@@ -142,7 +142,7 @@ class WindowSchedule:
     def set_aside(self, seconds: float) -> None:
         """A validation pass of ``seconds`` ran: inside an open window's span, up to its gather, it is no cost
         of the window (the trainer's own work, paid with or without windows)."""
-        if self._open is not None and self._gathered is None and self.agree_step is None:
+        if self._open is not None and self.agree_step is None:  # not gathered yet
             self._aside += seconds
 
     def agree_due(self, step: int) -> bool:

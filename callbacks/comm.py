@@ -153,7 +153,7 @@ class CommTimeCallback(Callback):
     def _val_every(trainer: pl.Trainer) -> Optional[int]:
         """Optimizer steps between validation passes (None: none, or not every so many batches)."""
         interval = trainer.val_check_interval
-        if not trainer.limit_val_batches or not isinstance(interval, int) or isinstance(interval, bool):
+        if not trainer.limit_val_batches or not isinstance(interval, int):
             return None
         return max(1, interval // trainer.accumulate_grad_batches)
 
