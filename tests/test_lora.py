@@ -306,3 +306,20 @@ def test_plan_lora_has_no_gradients_or_optimizer_state_for_the_frozen_base(tmp_p
     assert fsdp2["compute_time_s"] < full["compute_time_s"]
     assert main(["plan", recipe, "--peft", "dora"]) == 2
     assert "--peft 'dora' is not one of none, lora, qlora" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("targets", [None, ["gate_proj", "self_attn.o_proj"]], ids=["peft-default", "named"])
+def test_the_plan_counts_the_adapters_peft_builds(targets):
+    """The planner's trainable count for rank-r adapters equals what peft builds on the same model: its
+    default targets for the architecture, or the recipe's (a dotted name included)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardlight.planner.model_spec import model_spec
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, task_type="CAUSAL_LM", target_modules=targets))
+    built = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model_spec(config, lora_targets=targets).lora_params(4) == built > 0
