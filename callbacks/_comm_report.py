@@ -17,7 +17,8 @@ What rank 0 logs of a window, per step of it (ms per step), at the window's last
   for the next batch), aggregated and per rank like the others; ``comm/<collective>_busbw_gbps`` (bus
   bandwidth, nccl-tests conventions; on CPU only with ``record_shapes``); ``comm/straggler_rank``: the rank
   the others wait for;
-* the window's verdict (``shardlight.diagnosis``): ``diagnosis/*`` shares of the step, and one console line,
+* the window's verdict (judged as the run's is, ``across_windows.diagnose_run``, on this window alone: the
+  classes it cannot tell apart named together): ``diagnosis/*`` shares of the step, and one console line,
   e.g. ``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
   headroom 22.1 GB (rank 1)``. The latest window's combined analysis stays in ``Shared.findings`` for the
   end-of-run verdict. ``diagnosis.enabled: false`` keeps the split and bandwidth metrics, without the verdict.
@@ -31,7 +32,8 @@ import lightning.pytorch as pl
 
 from shardlight.callbacks._comm_metrics import METRIC_KEYS, bandwidth_metrics, group_metric_keys, split_metrics
 from shardlight.callbacks._common import Findings, RankTable, aggregate, log_metrics, per_rank_key
-from shardlight.diagnosis import Diagnosis, diagnose, window_line
+from shardlight.diagnosis import Diagnosis, window_line
+from shardlight.diagnosis.across_windows import diagnose_run
 from shardlight.errors import warn
 from shardlight.recipe.instrument_sections import DiagnosisConfig
 from shardlight.trace import combine
@@ -110,10 +112,12 @@ class WindowReport:
         if not self.diagnosis.enabled:
             return out, None
         try:
-            diagnosis = diagnose(
-                analysis, memory=self.findings.memory or None, throughput=self.findings.throughput or None,
-                wrap=getattr(trainer.strategy, "wrap_report", None), config=self.diagnosis,
-                micro_batch_size=self.micro_batch_size,
+            # Judged as the end-of-run verdict judges its windows (one here): the classes its steps cannot tell
+            # apart are named together, and a warm-up window says so, so no window's line reads as a flip.
+            diagnosis = diagnose_run(
+                [(window["start"], analysis)], run_start=self.findings.run_start, config=self.diagnosis,
+                memory=self.findings.memory or None, throughput=self.findings.throughput or None,
+                wrap=getattr(trainer.strategy, "wrap_report", None), micro_batch_size=self.micro_batch_size,
             )
         except Exception as exc:  # noqa: BLE001 - the diagnosis must never stop training
             warn(f"comm window at step {window['start']}: no diagnosis ({type(exc).__name__}: {exc})")

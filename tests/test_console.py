@@ -5,6 +5,7 @@ banners: each rank's ``Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/2``
 ``distributed_backend=gloo ... All distributed processes registered`` block), while real warnings still show.
 A real 2-rank gloo fit."""
 
+import json
 import re
 from pathlib import Path
 
@@ -32,4 +33,10 @@ def test_default_run_prints_the_bar_and_none_of_the_noise(default_run):
     final_bar = [part for part in re.split(r"[\r\n]", result.stdout) if part.startswith("step ")][-1]
     assert re.match(r"step 200/200 \|█+\| \[.*loss=\d+\.\d{4}.*exposed comm=\d+%.*\]", final_bar), final_bar
     assert "FSDP FULL_SHARD: 3 units on 2 ranks" in console
+    # Each window's line is judged as the run's verdict is: the warm-up window says so, and no line names only
+    # classes the run's verdict does not (a window's line never reads as a flip).
+    lines = re.findall(r"^step \d+( \(warm-up\))?: (.+?)(?::| —) ", result.stdout, flags=re.M)
+    run_label = json.loads((run_dir / "diagnosis.json").read_text())["label"]
+    assert lines and lines[0][0] and not any(warm for warm, _ in lines[1:]), lines
+    assert all(set(label.split(" or ")) & set(run_label.split(" or ")) for _, label in lines[1:]), (lines, run_label)
     assert "shardlight: 200 steps, val loss" in result.stdout

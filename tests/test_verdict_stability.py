@@ -74,6 +74,27 @@ def test_the_same_run_gets_the_same_verdict_five_times_out_of_five(case):
         assert EXPECTED[case] in labels[0].split(" or "), labels
 
 
+def test_each_window_s_line_names_what_its_steps_cannot_tell_apart():
+    """The line printed for each window during training is judged by the end-of-run rule, on that window alone:
+    every recorded window of the default recipe names the classes its shares cannot separate, with them, and
+    shares a class with the run's verdict; the window of warm-up says so."""
+    from shardlight.diagnosis import window_line
+
+    recorded = [tuple(w) for w in json.loads((WINDOWS / "default.json").read_text())["windows"]]
+    run = diagnose_run(recorded, run_start=0)
+    for start, window in recorded:
+        alone = diagnose_run([(start, window)], run_start=0)
+        line = window_line(start + 3, alone)
+        assert line.startswith(f"step {start + 3}{' (warm-up)' if start < 10 else ''}: "), line
+        assert alone.provisional == (start < 10)
+        named = alone.label.split(" or ")
+        assert set(named) & set(run.label.split(" or ")), (line, run.label)
+        if len(named) > 1:  # each named class with its share and uncertainty, as the panel shows them
+            assert all(f"{v:.0f} ± {u:.0f}%" in line for v, u in (alone.spread[c] for c in named)), line
+        else:
+            assert f": {alone.verdict} — " in line, line
+
+
 def test_warm_up_windows_are_judged_only_when_there_is_nothing_else():
     early, later = (3, "a"), (40, "b")
     assert judged_windows([early, later], run_start=0, warmup_steps=10) == ([later], False)

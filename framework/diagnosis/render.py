@@ -20,8 +20,13 @@ TOP_ACTIONS = 3
 
 def window_line(step: int, diagnosis: Diagnosis) -> str:
     """``step 150: communication-bound — exposed transfer 31% of step (all-gather 70% of it), wait 4%;
-    headroom 22.1 GB (rank 1)`` (the headroom part only with memory numbers)."""
-    line = f"step {step}: {diagnosis.verdict} — {diagnosis.lead}"
+    headroom 22.1 GB (rank 1)`` (the headroom part only with memory numbers). A window judged with its
+    uncertainty (``across_windows.diagnose_run``) that names several classes shows them with their shares,
+    ``step 60: communication-bound or compute-bound: exposed transfer 18 ± 5%, compute 57 ± 5%``, and a
+    warm-up window says ``(warm-up)``."""
+    when = f"step {step}" + (" (warm-up)" if diagnosis.provisional else "")
+    several = diagnosis.label != diagnosis.verdict
+    line = f"{when}: {diagnosis.headline}" if several else f"{when}: {diagnosis.verdict} — {diagnosis.lead}"
     if diagnosis.min_headroom_bytes is not None:
         line += f"; headroom {diagnosis.min_headroom_bytes / 1e9:.1f} GB (rank {diagnosis.min_headroom_rank})"
     if diagnosis.missing_ranks:
