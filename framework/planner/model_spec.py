@@ -3,6 +3,7 @@ its parameter count, transformer block class and the FSDP units shardlight would
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,9 +86,15 @@ class ModelSpec:
         return split / self.total_params if self.total_params else 0.0
 
     def lora_params(self, r: int) -> int:
+        return r * self.lora_width
+
+    @functools.cached_property
+    def lora_width(self) -> int:
+        """in_features + out_features summed over the Linear modules LoRA adapts (once: the planner asks for
+        every layout it weighs)."""
         targets = _lora_targets(self.model_type, self.lora_targets)
-        return r * sum(width for name, width in self.linear_widths.items()
-                       if any(name == t or name.endswith("." + t) for t in targets))
+        return sum(width for name, width in self.linear_widths.items()
+                   if any(name == t or name.endswith("." + t) for t in targets))
 
     @property
     def largest_unit_params(self) -> int:
