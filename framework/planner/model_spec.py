@@ -3,7 +3,6 @@ its parameter count, transformer block class and the FSDP units shardlight would
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,11 +39,9 @@ class ModelSpec:
     gated_mlp: bool = True        # SwiGLU-style (gate + up projections) vs a plain 2-layer MLP
     # Per FSDP unit (blocks then root), the numels of its parameters in flattening order.
     unit_numels: List[List[int]] = field(default_factory=list, repr=False)
-    # Every Linear module's in_features + out_features by its name: a rank-r adapter on it adds r times this
-    # many trainable parameters. Which ones LoRA adapts (``lora_targets``, null: peft's default for the
-    # architecture) is read only when ``lora_params`` is asked: peft's import costs a second.
-    linear_widths: Dict[str, int] = field(default_factory=dict, repr=False)
-    lora_targets: Optional[List[str]] = field(default=None, repr=False)
+    # Per unit, in_features + out_features summed over the Linear modules LoRA adapts (peft's default targets
+    # for the architecture unless named): a rank-r adapter adds r times this many trainable parameters.
+    lora_widths: List[int] = field(default_factory=list, repr=False)
     # Mixture of experts: every expert's weights are stored and sharded (in total_params and unit_numels),
     # but each token runs only experts_per_token of num_experts of them.
     expert_params: int = 0
@@ -86,15 +83,7 @@ class ModelSpec:
         return split / self.total_params if self.total_params else 0.0
 
     def lora_params(self, r: int) -> int:
-        return r * self.lora_width
-
-    @functools.cached_property
-    def lora_width(self) -> int:
-        """in_features + out_features summed over the Linear modules LoRA adapts (once: the planner asks for
-        every layout it weighs)."""
-        targets = _lora_targets(self.model_type, self.lora_targets)
-        return sum(width for name, width in self.linear_widths.items()
-                   if any(name == t or name.endswith("." + t) for t in targets))
+        return r * sum(self.lora_widths)
 
     @property
     def largest_unit_params(self) -> int:
@@ -114,8 +103,7 @@ class ModelSpec:
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
         data.pop("unit_numels")
-        data.pop("linear_widths")
-        data.pop("lora_targets")
+        data.pop("lora_widths")
         data.pop("unit_tp_split")
         data["tp_split_fraction"] = round(self.tp_split_fraction(), 6)
         data["largest_unit_params"] = self.largest_unit_params
@@ -181,6 +169,11 @@ def _lora_targets(model_type: str, named: Optional[List[str]]) -> List[str]:
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     return list(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type, []))
+
+
+def _lora_width(module: torch.nn.Module, targets: List[str]) -> int:
+    return sum(m.in_features + m.out_features for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
 def _tp_layout(model: torch.nn.Module, blocks: List[torch.nn.Module], units: List[List[int]],
@@ -257,6 +250,9 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
         unit_numels.append(numels)
     root = [p.numel() for p in _unique(model.parameters()) if id(p) not in block_ids]
     unit_numels.append(root)
+    targets = _lora_targets(config.model_type, lora_targets)
+    lora_widths = [_lora_width(block, targets) for block in blocks]
+    lora_widths.append(_lora_width(model, targets) - sum(lora_widths))
     total = sum(sum(u) for u in unit_numels)
     inter = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
                 or 4 * config.hidden_size)
@@ -287,9 +283,7 @@ def model_spec(config: Any, name: Optional[str] = None, block_classes: Optional[
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         gated_mlp=len(wide) >= 2,
         unit_numels=unit_numels,
-        linear_widths={name: m.in_features + m.out_features for name, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear)},
-        lora_targets=list(lora_targets) if lora_targets else None,
+        lora_widths=lora_widths,
         expert_params=expert_params,
         num_experts=experts if expert_params else 0,
         experts_per_token=per_token if expert_params else 0,
