@@ -1,6 +1,12 @@
 """The LightningModule around a Hugging Face causal LM: loss on supervised tokens, metrics, grad clipping,
 and the guard against non-finite steps (``trainer.on_nonfinite``).
 
+One optimizer step's loss is the summed token cross-entropy over every supervised token of every micro-batch on
+every data-parallel rank, divided by their global count, however the batch is split. Each micro-batch
+back-propagates its sum (over a constant, ``_loss_unit``); after the window's last backward the accumulated
+gradients are scaled by one all-reduced count (``_scale_to_token_mean``), as torchtune does. See
+docs/strategy.md, "One step's loss".
+
 It builds nothing itself: ``shardlight.build.training_model.build_module`` hands it the functions that make the model
 (in ``configure_model``, so FSDP wraps it) and the optimizer.
 """
@@ -19,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from shardlight.lm_loss import loss_sum
+from shardlight.lm_loss import LossTerms, loss_terms, router_aux_coef
 from shardlight.recipe import RecipeConfig
 from shardlight.strategy.sharded_load import checkpoint_keys, unloaded_keys
 
@@ -50,6 +56,8 @@ def clean_param_name(name: str) -> str:
 
 
 _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
+_WINDOW = 4  # the logging window's scalar sums (``CausalLMModule._add_to_window``)
+
 
 
 class CausalLMModule(pl.LightningModule):
@@ -78,7 +86,17 @@ class CausalLMModule(pl.LightningModule):
         self.last_val_loss: Optional[float] = None
         self.tokens_seen = 0
         self._val_sums = torch.zeros(1, 2, dtype=torch.float64)
-        self._train_window = torch.zeros(3, dtype=torch.float64)
+        # Since the last logging step, this rank's: token loss, supervised tokens, attention tokens, router
+        # loss x tokens, then each MoE layer's tokens per expert (flattened).
+        self._train_window = torch.zeros(_WINDOW, dtype=torch.float64)
+        # This rank's supervised tokens since the last optimizer step (the step's share of the count).
+        self._step_tokens = torch.zeros((), dtype=torch.float64)
+        # Each micro-batch back-propagates its summed loss over this constant (the most tokens a micro-batch
+        # holds), not its own count: gradients keep a token mean's magnitude (fp16 and bf16 reductions, the
+        # GradScaler) without weighing the micro-batch by its length. _scale_to_token_mean undoes it exactly.
+        self._loss_unit = float(cfg.trainer.micro_batch_size * cfg.data.seq_len)
+        self.router_aux_coef = 0.0
+        self._expert_layers = 0
         self._grad_norm: Optional[torch.Tensor] = None
         self._decay_names: set = set()
         # This rank's last non-finite micro-batch loss since the last optimizer step (0: none), on the device.
@@ -90,6 +108,7 @@ class CausalLMModule(pl.LightningModule):
             self.model = self._build_model()
             # FSDP flattens parameters to 1-D shards, so decide what gets weight decay before wrapping.
             self._decay_names = {f"model.{n}" for n, p in self.model.named_parameters() if p.dim() >= 2}
+            self.router_aux_coef = router_aux_coef(self.cfg.model.router_aux_loss_coef, self.model.config)
 
     def _build_model(self) -> PreTrainedModel:
         if self.sharded_weights is None:
@@ -109,15 +128,51 @@ class CausalLMModule(pl.LightningModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
     def _loss_sum(self, batch: Dict[str, torch.Tensor]):
-        return loss_sum(self.model, batch, self.cfg.trainer.loss_chunks)
+        """The batch's summed token loss and count, without the router loss (validation's loss)."""
+        terms = loss_terms(self.model, batch, self.cfg.trainer.loss_chunks)
+        return terms.total, terms.count
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, count = self._loss_sum(batch)
-        loss = loss_sum / count.clamp(min=1)
-        # Summed locally; reduced across ranks once per logging step, not once per micro-batch.
-        one = torch.ones((), dtype=torch.float64, device=loss.device)
-        self._train_window += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double()])
-        return self._poison_if_nonfinite(loss)
+        terms = loss_terms(self.model, batch, self.cfg.trainer.loss_chunks, router_aux=self.router_aux_coef > 0)
+        self._step_tokens += terms.count
+        self._add_to_window(terms, batch)
+        return self._poison_if_nonfinite(terms.objective(self.router_aux_coef) / self._loss_unit)
+
+    def _add_to_window(self, terms: LossTerms, batch: Dict[str, torch.Tensor]) -> None:
+        """Summed locally; reduced across ranks once per logging step, not once per micro-batch."""
+        count = terms.count.double()
+        aux = terms.aux.detach().double() * count if terms.aux is not None else count.new_zeros(())
+        parts = [terms.total.detach().double(), count, batch["attention_mask"].sum().double(), aux]
+        if terms.expert_load is not None:
+            self._expert_layers = terms.expert_load.shape[0]
+            parts.append(terms.expert_load.double().flatten())
+        sums = torch.cat([part.reshape(-1) for part in parts])
+        if sums.numel() > self._train_window.numel():  # the first MoE batch: room for its layers' experts
+            self._train_window = torch.cat([self._train_window, sums.new_zeros(sums.numel() - _WINDOW)])
+        self._train_window[: sums.numel()] += sums
+
+    def _scale_to_token_mean(self) -> None:
+        """Make the accumulated gradients those of the step's token mean: sum over every supervised token of the
+        step's micro-batches on every data-parallel rank, divided by their global count.
+
+        Each micro-batch back-propagated ``sum / _loss_unit``; Lightning divided it by
+        ``accumulate_grad_batches`` and FSDP averaged it over the data-parallel ranks. One scalar all-reduce
+        of the step's token count (tensor-parallel ranks of one data-parallel group saw the same tokens: counted
+        once) undoes both. It works on gradients already accumulated, so it needs no look-ahead at the window's
+        batches (Lightning hands them over one at a time), and a last, partial window is scaled by its own count.
+        """
+        trainer = self.trainer
+        tp = self.cfg.parallelism.tp_size
+        tokens = float(trainer.strategy.reduce(self._step_tokens.clone(), reduce_op="sum")) / tp
+        self._step_tokens.zero_()
+        dp = trainer.world_size // tp
+        scale = dp * trainer.accumulate_grad_batches * self._loss_unit / max(tokens, 1.0)
+        by_kind: Dict[Any, List[torch.Tensor]] = {}
+        for param in self.parameters():
+            if param.grad is not None:
+                by_kind.setdefault((param.grad.device, param.grad.dtype, type(param.grad)), []).append(param.grad)
+        for grads in by_kind.values():
+            torch._foreach_mul_(grads, scale)
 
     def _poison_if_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         """Remember a non-finite loss and make every gradient NaN with it, on the device (no host sync).
@@ -141,9 +196,14 @@ class CausalLMModule(pl.LightningModule):
         if totals[1] > 0:
             # The tensor-parallel ranks of one data-parallel group all see the same batch: count it once.
             self.tokens_seen += int(totals[2].item()) // self.cfg.parallelism.tp_size
-            # Micro-batch losses averaged over ranks and the window (each micro-batch weighs the same).
+            # Token-weighted over every rank and micro-batch of the window, as each step's loss is (ranks that
+            # share their tokens count them as often in the sum as in the count).
             self.log("train/loss", float(totals[0] / totals[1]), prog_bar=True, rank_zero_only=True)
             self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+            if self.router_aux_coef > 0:
+                # The step's objective is train/loss + router_aux_coef x train/aux_loss.
+                self.log("train/aux_loss", float(totals[3] / totals[1]), rank_zero_only=True)
+                self._log_expert_load(totals[_WINDOW:])
         # Only on logging steps: Lightning's per-call logging cost is visible on small, fast steps.
         self.log("lr", trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         if self._grad_norm is not None:
@@ -151,8 +211,21 @@ class CausalLMModule(pl.LightningModule):
         if self.cfg.trainer.on_nonfinite == "skip":
             self.log("train/nonfinite_skips", float(self.nonfinite_skips), rank_zero_only=True)
 
+    def _log_expert_load(self, load: torch.Tensor) -> None:
+        """The most-loaded expert's tokens over the mean expert's, in the worst layer (1.0: perfectly even), and
+        the least-loaded's in that layer: how unevenly the routers spread the window's tokens."""
+        if not load.numel() or not self._expert_layers:
+            return
+        per_layer = load.reshape(self._expert_layers, -1)
+        mean = per_layer.mean(dim=1).clamp(min=1e-12)
+        ratios = per_layer.max(dim=1).values / mean
+        worst = int(ratios.argmax())
+        self.log("train/expert_load_max_over_mean", float(ratios[worst]), rank_zero_only=True)
+        self.log("train/expert_load_min_over_mean", float(per_layer[worst].min() / mean[worst]), rank_zero_only=True)
+
     def on_train_start(self) -> None:
-        self._train_window = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self._train_window = torch.zeros(_WINDOW, dtype=torch.float64, device=self.device)
+        self._step_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self._nonfinite_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_start(self) -> None:
@@ -184,6 +257,13 @@ class CausalLMModule(pl.LightningModule):
             return
         for key, value in metrics.items():
             self.log(key, value, prog_bar=key == "val/loss", rank_zero_only=True)
+
+    def on_after_backward(self) -> None:
+        # The window's last backward (Lightning's own test for it, the one that decides the optimizer step): the
+        # gradients are complete and reduced; scaled here, before any callback's on_before_optimizer_step reads
+        # them, and before the GradScaler's unscale (a linear factor: the order does not matter to it).
+        if not self.trainer.fit_loop.epoch_loop._should_accumulate():  # noqa: SLF001
+            self._scale_to_token_mean()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Clipping off: the same global norm with max_norm=inf (gradients scaled by exactly 1.0), because

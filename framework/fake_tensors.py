@@ -129,8 +129,10 @@ def uncheckable(exc: BaseException) -> bool:
 
 def fake_training_step(model: nn.Module, *, micro_batch_size: int, seq_len: int, vocab_size: int,
                        packing: bool, autocast: Optional[torch.dtype] = None,
-                       before: Optional[Callable[[nn.Module], None]] = None, loss_chunks: int = 1) -> None:
-    """One forward, loss (``loss_sum``, as training computes it) and backward of ``model`` (on the meta device)
+                       before: Optional[Callable[[nn.Module], None]] = None, loss_chunks: int = 1,
+                       router_aux_coef: float = 0.0) -> None:
+    """One forward, loss (``loss_sum``, as training computes it, the router's load-balancing loss with
+    ``router_aux_coef`` > 0) and backward of ``model`` (on the meta device)
     on fake tensors, with a batch shaped as the data module's: packed blocks carry ``position_ids`` that
     restart mid-block, others an attention mask. ``before(model)`` runs on the meta model first (tensor
     parallelism, which fake tensors cannot apply). Raises whatever the model raises."""
@@ -154,7 +156,7 @@ def fake_training_step(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             model.to_empty(device="cpu")
             model.train()
             with cast:
-                total, count = loss_sum(model, batch, loss_chunks)
+                total, count = loss_sum(model, batch, loss_chunks, router_aux_coef)
             (total / count.clamp(min=1)).backward()
     finally:
         quiet.setLevel(level)

@@ -25,7 +25,7 @@ from shardlight.build.training_model import reads_into_shards, transformers_reas
 from shardlight.data_files import check_data
 from shardlight.errors import ShardlightError, first_line, warn
 from shardlight.fake_tensors import fake_process_group, fake_training_step, shallow_copy, uncheckable
-from shardlight.lm_loss import logit_transform
+from shardlight.lm_loss import logit_transform, model_router_aux_coef, router_aux_coef
 from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext, usable_cores
@@ -107,6 +107,7 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
         check_tensor_parallel(skeleton, resolved.parallel)
     check_adapter_targets(skeleton, peft_cfg=cfg.peft)
     check_loss_chunks(cfg, config)
+    check_router_aux(cfg, config)
     # On the meta device, as the ranks will (peft's own refusals surface here); the block classes to wrap
     # are looked up in the wrapped model, as FSDP will.
     with torch.device("meta"):
@@ -219,6 +220,14 @@ def check_loss_chunks(cfg: RecipeConfig, config: PretrainedConfig) -> None:
                               "positions a sequence has (data.seq_len); use fewer")
 
 
+def check_router_aux(cfg: RecipeConfig, config: PretrainedConfig) -> None:
+    """``model.router_aux_loss_coef`` > 0 needs a model whose router has a load-balancing loss."""
+    chosen = cfg.model.router_aux_loss_coef
+    if chosen and model_router_aux_coef(config) is None:
+        raise ShardlightError(f"model.router_aux_loss_coef {chosen:g}: {config.model_type} has no router "
+                              "load-balancing loss (not a mixture of experts, or one balanced otherwise); use null")
+
+
 def check_model_step(cfg: RecipeConfig, config: PretrainedConfig, model: PreTrainedModel, resolved) -> None:
     """One forward, loss and backward of the exact model the ranks build (``model``: its meta skeleton with
     the recipe's dtype, attention, adapters; with its TP plan and the precision's autocast) on fake tensors,
@@ -271,7 +280,8 @@ def _step_failure(cfg: RecipeConfig, model: PreTrainedModel, resolved, *, tensor
                 vocab_size=int(model.config.get_text_config().vocab_size), packing=cfg.data.packing,
                 autocast=torch.bfloat16 if precision == "bf16-mixed" else None,
                 before=None if dims is None else functools.partial(_tensor_parallel, dims=dims),
-                loss_chunks=cfg.trainer.loss_chunks)
+                loss_chunks=cfg.trainer.loss_chunks,
+                router_aux_coef=router_aux_coef(cfg.model.router_aux_loss_coef, model.config))
     except ShardlightError:
         raise
     except Exception as exc:  # any failure of the model's own code: it is what the ranks would meet

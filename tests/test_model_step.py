@@ -64,12 +64,12 @@ def test_gradients_are_freed_after_each_step_and_accumulate_within_a_window(tmp_
     assert order.grads_at_start == [0, params] * STEPS
     assert all(p.grad is None for p in module.parameters())
 
-    # The first update's gradients are those of both micro-batches of its window, each loss over the window.
+    # The first update's gradients are those of both micro-batches of its window: their summed token loss over
+    # the window's token count (what every callback's on_before_optimizer_step sees).
     loader = iter(DataLoader(rows, batch_size=2))
     initial = order.initial
-    for _ in range(ACCUMULATE):
-        total, count = loss_sum(initial, next(loader))
-        (total / count / ACCUMULATE).backward()
+    sums = [loss_sum(initial, next(loader)) for _ in range(ACCUMULATE)]
+    (sum(total for total, _ in sums) / sum(count for _, count in sums)).backward()
     expected = {n: p.grad for n, p in initial.named_parameters()}
     assert expected.keys() == order.first_update.keys()
     for name, grad in expected.items():

@@ -78,8 +78,8 @@ def final_weights(summary):
 
 @functools.lru_cache(maxsize=None)  # the same steps for every strategy on as many ranks: computed once
 def reference_weights(recipe, world_size, accumulate=1):
-    """The same optimizer steps in one process on the same global batch: the mean over ranks (and
-    micro-batches) of each rank's token-mean loss, global-norm clipping, AdamW with the same groups."""
+    """The same optimizer steps in one process on the same global batch: the summed token loss of every rank's
+    micro-batches over their global token count, global-norm clipping, AdamW with the same groups."""
     from torch.utils.data import DistributedSampler, default_collate
 
     from shardlight.build import build_module, build_tokenizer
@@ -100,12 +100,13 @@ def reference_weights(recipe, world_size, accumulate=1):
     optim = module.configure_optimizers()
     optimizer, schedule = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
     for step in range(cfg.trainer.max_steps):
+        sums = []
         for micro in range(accumulate):
             start = (step * accumulate + micro) * MICRO_BATCH
             for rank in range(world_size):
                 batch = default_collate([dataset[i] for i in order[rank][start:start + MICRO_BATCH]])
-                loss_sum, count = module._loss_sum(batch)
-                (loss_sum / count / world_size / accumulate).backward()
+                sums.append(module._loss_sum(batch))
+        (sum(total for total, _ in sums) / sum(count for _, count in sums)).backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val)
         optimizer.step()
         schedule.step()

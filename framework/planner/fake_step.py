@@ -43,7 +43,7 @@ import torch
 
 from shardlight.errors import ShardlightError
 from shardlight.fake_tensors import fake_friendly_grouped_mm, fake_process_group, layer_patterns, unpacked_sequences
-from shardlight.lm_loss import loss_sum
+from shardlight.lm_loss import loss_sum, model_router_aux_coef
 from shardlight.strategy.fsdp2 import apply_fsdp2, fsdp2_mesh
 from shardlight.strategy.options import ResolvedFSDP
 from shardlight.strategy.tensor_parallel import ParallelDims
@@ -112,10 +112,10 @@ def build_sharded_model(hf_config: Any, resolved: ResolvedFSDP, mesh: Any, preci
 
 def shardlight_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_chunks: int = 1) -> torch.Tensor:
     """shardlight's training loss (``shardlight.lm_loss.loss_sum``: shifted logits upcast to fp32, summed
-    cross-entropy over the supervised tokens, in ``loss_chunks`` pieces) divided by their count, as
-    ``training_step`` does; every token is supervised, none is padding."""
+    cross-entropy over the supervised tokens, in ``loss_chunks`` pieces, plus a mixture of experts' router loss
+    with the model's own weight) divided by their count; every token is supervised, none is padding."""
     total, count = loss_sum(model, {"input_ids": input_ids, "attention_mask": None, "labels": input_ids},
-                            loss_chunks)
+                            loss_chunks, model_router_aux_coef(model.config) or 0.0)
     return total / count.clamp(min=1)
 
 

@@ -37,6 +37,13 @@ class ModelConfig:
             "help": "eager, sdpa or flash_attention_2 (null: transformers' choice).",
         },
     )
+    router_aux_loss_coef: Optional[float] = field(
+        default=None,
+        metadata={"non_negative": True,
+                  "help": "Weight of a mixture-of-experts router's load-balancing loss, added to the token loss "
+                          "(null: the model config's own, e.g. router_aux_loss_coef; 0: off, for bias-balanced "
+                          "routers such as DeepSeek-V3's)."},
+    )
 
 
 @dataclass
