@@ -14,6 +14,9 @@ a step timer on every rank, validation and checkpoints off (not in a step), W&B 
 * ``--arms recorder`` (``benchmarks/flight_recorder_overhead.py``): both arms with the callback off; baseline
   without torch's flight recorder and the hang watchdog (``trainer.flight_recorder_entries=0``,
   ``callbacks.hang.enabled=false``), the candidate with both, as every run has them by default;
+* ``--arms token-mean`` (``benchmarks/token_weighting_overhead.py``): both arms with the callback off; baseline
+  without the step's token weighting (``CausalLMModule._scale_to_token_mean`` only resets its count: no
+  all-reduce of the count, no gradient scaling), the candidate as every run trains;
 * ``--arms compile`` (``benchmarks/compile_speed.py``): both arms with the callback off; baseline as the recipe,
   candidate ``compile=true``. The compile itself falls in the first step, before the measured loop; a figure
   (the step-time ratio, tokens/s its inverse), not a target: CPU inductor says little about a GPU.
@@ -76,6 +79,8 @@ ARMS = {
                  {"baseline": ["callbacks.comm.enabled=false", "trainer.flight_recorder_entries=0",
                                "callbacks.hang.enabled=false"],
                   "candidate": ["callbacks.comm.enabled=false"]}),
+    "token-mean": ("token_weighting_overhead", "no token weighting", "token-weighted step (the default)",
+                   {"baseline": ["callbacks.comm.enabled=false"], "candidate": ["callbacks.comm.enabled=false"]}),
     "compile": ("compile_speed", "compile: false", "compile: true (each block, inductor)",
                 {"baseline": ["callbacks.comm.enabled=false"],
                  "candidate": ["callbacks.comm.enabled=false", "compile=true"]}),
@@ -162,7 +167,14 @@ def _time_window_work() -> None:
     comm.CommTimeCallback._analyse = timed
 
 
-def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
+def _no_token_weighting() -> None:
+    """The step as it was before token weighting, for its cost: the count is reset, nothing reduced or scaled."""
+    from shardlight.causal_lm import CausalLMModule
+
+    CausalLMModule._scale_to_token_mean = lambda self: self._step_tokens.zero_()
+
+
+def run(out: Path, steps: int, file_analysis: bool, overrides: list, token_weighting: bool = True) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,6 +187,8 @@ def run(out: Path, steps: int, file_analysis: bool, overrides: list) -> int:
 
     if file_analysis:
         _file_path_analysis()
+    if not token_weighting:
+        _no_token_weighting()
     _time_window_work()
     cfg = load_recipe(None, [f"output_dir={out}", f"trainer.max_steps={steps}", "trainer.progress_bar=false",
                              *cpu_overrides(),
@@ -261,6 +275,8 @@ class Bench:
         command = [sys.executable, str(Path(__file__).resolve()), "--run", str(out), "--steps", str(self.args.steps)]
         if file_analysis:
             command.append("--file-analysis")
+        if self.args.arms == "token-mean" and arm == "baseline":
+            command.append("--no-token-weighting")
         command += [*self.args.overrides, *arm_overrides]
         result = run_tree(command, env=_env(), cwd=REPO, timeout_s=self.args.run_timeout_s)
         if result.returncode != 0:
@@ -303,10 +319,11 @@ def main(argv=None) -> int:
                         help="kill a run (and end the benchmark) that takes longer than this (default 600)")
     parser.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)  # one arm's run, into this dir
     parser.add_argument("--file-analysis", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-token-weighting", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (both arms)")
     args = parser.parse_args(argv)
     if args.run is not None:
-        return run(args.run, args.steps, args.file_analysis, args.overrides)
+        return run(args.run, args.steps, args.file_analysis, args.overrides, not args.no_token_weighting)
 
     name = ARMS[args.arms][0]
     with tempfile.TemporaryDirectory(prefix="comm_overhead_") as tmp:

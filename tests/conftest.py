@@ -88,3 +88,12 @@ def profile_sweep(tmp_path_factory):
     result = run_cli(["profile", "--out", str(out), "--steps", "6", "logging.wandb.enabled=false"], timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

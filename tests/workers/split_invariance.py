@@ -1,0 +1,84 @@
+"""One rank of several Lightning fits of the same examples split differently (micro-batches, accumulation,
+ranks, FSDP1/FSDP2, TP, packing, loss pieces, LoRA): each fit's first optimizer step's gradient, every parameter
+gathered whole, and its weights after the last step. The test (tests/test_split_invariance.py) starts every rank
+torchrun-style (LOCAL_RANK, MASTER_PORT, ...), so Lightning launches nothing: the ranks keep one gloo process
+group and run the fits one after another, paying the start-up once for all of them.
+
+Usage: python split_invariance.py SPEC.json OUT_DIR. SPEC: {"runs": {name: {"recipe": path, "overrides": [...]}}}.
+OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor}, "steps": n}.
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+class FirstStepGradients(pl.Callback):
+    """The first optimizer step's gradients, each parameter whole, as every callback sees them (before clipping)."""
+
+    def __init__(self) -> None:
+        self.grads = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.grads is None:
+            self.grads = whole_gradients(trainer, pl_module)
+
+
+def whole_gradients(trainer, pl_module):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    from shardlight.causal_lm import clean_param_name
+
+    def named():
+        return {clean_param_name(name).removeprefix("model."): p.grad
+                for name, p in pl_module.named_parameters() if p.grad is not None}
+
+    root = getattr(trainer.strategy, "_fsdp1_root", None)
+    if root is not None:  # FSDP1 (original parameters): every rank gathers the full gradients
+        with FullyShardedDataParallel.summon_full_params(root, with_grads=True, writeback=False):
+            return {name: grad.detach().clone() for name, grad in named().items()}
+    return {name: (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+            for name, grad in named().items()}
+
+
+def fit(recipe: str, overrides, rank: int):
+    from shardlight.build import build_datamodule, build_module, build_tokenizer, build_trainer
+    from shardlight.recipe import load_recipe
+    from shardlight.run_context import RunContext
+
+    cfg = load_recipe(recipe, overrides)
+    ctx = RunContext(launcher="lightning", rank=rank, launched=True, resume_decided=True,
+                     run_dir=Path(cfg.output_dir) / cfg.name)
+    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, build_tokenizer(cfg))
+    capture = FirstStepGradients()
+    trainer = build_trainer(cfg, ctx, [capture])
+    trainer.fit(module, datamodule=datamodule)
+    weights = trainer.strategy.full_state_dict()
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    return {"grads": capture.grads, "weights": weights, "steps": trainer.global_step}
+
+
+def main(spec_path: str, out_dir: str) -> None:
+    import os
+
+    warnings.filterwarnings("ignore")
+    rank = int(os.environ["RANK"])
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(out_dir)
+    for name, run in spec["runs"].items():
+        result = fit(run["recipe"], run["overrides"], rank)
+        if rank == 0:
+            torch.save(result, out / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
