@@ -59,7 +59,6 @@ _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_modul
 _WINDOW = 4  # the logging window's scalar sums (``CausalLMModule._add_to_window``)
 
 
-
 class CausalLMModule(pl.LightningModule):
     """Fine-tunes ``AutoModelForCausalLM``; the model is built in ``configure_model`` so FSDP wraps it.
 

@@ -100,8 +100,14 @@ def named(module, what):
 
 
 class FirstStepGradients(pl.Callback):
+    """The first optimizer step's gradients, and the micro-batches that made them."""
+
     def __init__(self) -> None:
-        self.grads = None
+        self.grads, self.batches = None, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.grads is None:
+            self.batches.append({k: v.clone() for k, v in batch.items()})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.grads is None:
@@ -116,12 +122,13 @@ def one_rank(recipe, overrides):
     module = build_module(cfg, sharded_load=False)
     data = SFTDataModule(cfg, build_tokenizer(cfg))
     capture = FirstStepGradients()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[capture], logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=cfg.trainer.max_steps, callbacks=[capture], logger=False,
                          accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, default_root_dir=recipe.parent)
     trainer.fit(module, datamodule=data)
-    return {"grads": capture.grads, "weights": named(module, lambda p: p), "steps": trainer.global_step}
+    return {"grads": capture.grads, "weights": named(module, lambda p: p), "steps": trainer.global_step,
+            "batches": capture.batches}
 
 
 def ranks(recipe, world, runs, out):
@@ -204,6 +211,22 @@ def test_one_rank_splits_give_the_whole_batch_gradient(setup, truths, name, over
     error, where = worst_relative(run["grads"], grads)
     assert error <= GRAD_RTOL, f"{name}: {where} off by {error:.2e}"
     assert_weights_agree(run["weights"], weights, name)
+
+
+def test_a_last_partial_window_is_scaled_by_its_own_count(setup):
+    """Micro-batch 3 (the loader drops the last 2 rows) accumulating 4: an epoch has 2 micro-batches, so every
+    window is cut short by the epoch's end; its gradient is the token mean of the 6 rows it had."""
+    run = one_rank(setup, ["trainer.micro_batch_size=3", "trainer.accumulate_grad_batches=4", "trainer.max_steps=1"])
+    assert len(run["batches"]) == 2
+    cfg = load_recipe(str(setup), [])
+    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = build_module(cfg, sharded_load=False)
+    module.configure_model()
+    rows = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
+    total, count = module._loss_sum(rows)
+    (total / count).backward()
+    error, where = worst_relative(run["grads"], named(module, lambda p: p.grad))
+    assert error <= GRAD_RTOL, f"{where} off by {error:.2e}"
 
 
 @pytest.mark.slow
