@@ -8,7 +8,8 @@ FSDP2), packed blocks, the loss in 4 pieces, LoRA, and dp 2 x tp 2 on 4 ranks. B
 gave a gradient norm 41% off (115% packed).
 
 The ranks of each world size are one process tree (tests/workers/split_invariance.py) that runs all its fits in
-one gloo process group: about 25 s for 2 ranks x 7 fits and 20 s for 4 ranks x 1 fit on 2 cores.
+one gloo process group: 20 s for 2 ranks x 8 fits and 21 s for 4 ranks x 1 fit on 2 quiet cores; the one-rank
+fits run in this process (about 1 s each).
 """
 
 import json
