@@ -32,6 +32,8 @@ lock: setup
 train: setup
 	WANDB_SILENT=true $(BIN)/shardlight train $(RECIPE) $(ARGS)
 
+# The 25 slowest tests end every run (CI's too), so a landing that makes the suite slower shows where.
+PYTEST_ARGS ?= --durations=25
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
