@@ -9,6 +9,7 @@ OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor},
 """
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -68,8 +69,6 @@ def fit(recipe: str, overrides, rank: int):
 
 
 def main(spec_path: str, out_dir: str) -> None:
-    import os
-
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
     spec = json.loads(Path(spec_path).read_text())
