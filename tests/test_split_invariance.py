@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, save_tiny_llama
 from torch.utils.data import default_collate
+from workers.split_invariance import FirstStepGradients
 
 from shardlight.build import build_module, build_tokenizer
 from shardlight.causal_lm import clean_param_name
@@ -98,21 +99,6 @@ def reference(recipe, overrides=()):
 def named(module, what):
     return {clean_param_name(n).removeprefix("model."): what(p).detach().clone()
             for n, p in module.named_parameters() if p.requires_grad}
-
-
-class FirstStepGradients(pl.Callback):
-    """The first optimizer step's gradients, and the micro-batches that made them."""
-
-    def __init__(self) -> None:
-        self.grads, self.batches = None, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.grads is None:
-            self.batches.append({k: v.clone() for k, v in batch.items()})
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.grads is None:
-            self.grads = named(pl_module, lambda p: p.grad)
 
 
 def one_rank(recipe, overrides):

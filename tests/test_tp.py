@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEFAULT_RECIPE, REPO, forbid_training, run_cli, save_tiny_llama
+from conftest import DEFAULT_RECIPE, REPO, forbid_training, free_port, run_cli, save_tiny_llama
 from test_strategy import (
     MICRO_BATCH,
     SEQ_LEN,
@@ -295,15 +295,11 @@ def test_gloo_comm_is_split_into_tp_and_fsdp_by_the_flight_recorders_groups(tmp_
     dp_shard 2 x tp 2 mesh (tests/workers/tp_groups_worker.py) the split recovers the known truth per rank: per
     step one all-gather and one reduce-scatter in its FSDP shard group, one all-reduce in its TP group, from the
     trace file with its collectives beside it and live from the profiler alike; without them, none."""
-    import socket
-
     from shardlight.callbacks._comm_metrics import window_metrics
     from shardlight.trace import analyze_trace_file
     from shardlight.trace.records import issued_path
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     worker = REPO / "tests" / "workers" / "tp_groups_worker.py"
     done = subprocess.run([sys.executable, str(worker), str(tmp_path), str(port)], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, KINETO_LOG_LEVEL="6", PYTHONPATH=str(REPO)))

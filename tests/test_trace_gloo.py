@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -57,12 +57,6 @@ RECORD_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_traces(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("gloo_fsdp")
@@ -71,7 +65,7 @@ def gloo_traces(tmp_path_factory) -> Path:
     out_dir = work / "traces"
     out_dir.mkdir()
     done = subprocess.run(
-        [sys.executable, str(script), str(out_dir), str(_free_port())],
+        [sys.executable, str(script), str(out_dir), str(free_port())],
         capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -89,12 +89,6 @@ RECORD_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _plain(value):
     """As JSON holds it (tuples become lists), to compare a result computed here with one a rank wrote."""
     return json.loads(json.dumps(value))
@@ -107,7 +101,7 @@ def window(tmp_path_factory) -> Path:
     script.write_text(RECORD_SCRIPT)
     out = work / "out"
     out.mkdir()
-    done = subprocess.run([sys.executable, str(script), str(out), str(_free_port())],
+    done = subprocess.run([sys.executable, str(script), str(out), str(free_port())],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -220,7 +214,7 @@ class _Logger:
 def one_rank_group():
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

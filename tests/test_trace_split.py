@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import free_port
 
 from shardlight.cli.main import main
 from shardlight.errors import ShardlightError
@@ -254,17 +254,11 @@ SIZES = {"all_gather": 4 * (1 << 21) * 2, "reduce_scatter": 4 * (1 << 23), "all_
 BUS_FACTOR = {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 1.0}  # nccl-tests on 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("collective_timing")
     worker = REPO / "tests" / "workers" / "collective_timing_worker.py"
-    done = subprocess.run([sys.executable, str(worker), str(out), str(_free_port()), str(REPS), str(STALL_MS)],
+    done = subprocess.run([sys.executable, str(worker), str(out), str(free_port()), str(REPS), str(STALL_MS)],
                           capture_output=True, text=True, timeout=180, env=dict(os.environ, KINETO_LOG_LEVEL="6"))
     assert done.returncode == 0, done.stderr[-3000:]
     return out

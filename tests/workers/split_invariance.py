@@ -21,10 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class FirstStepGradients(pl.Callback):
-    """The first optimizer step's gradients, each parameter whole, as every callback sees them (before clipping)."""
+    """The first optimizer step's gradients, each parameter whole, as every callback sees them (before clipping),
+    and the micro-batches that made them (this rank's)."""
 
     def __init__(self) -> None:
-        self.grads = None
+        self.grads, self.batches = None, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.grads is None:
+            self.batches.append({k: v.clone() for k, v in batch.items()})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.grads is None:
