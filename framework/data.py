@@ -365,12 +365,15 @@ class SFTDataModule(pl.LightningDataModule):
         self.train_dataset = BlockDataset(splits["train"])
         self.val_datasets = {name.split("/", 1)[1]: BlockDataset(arrays) for name, arrays in splits.items()
                              if name.startswith("val/") and len(arrays["input_ids"])}
-        world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
+        # Ranks that read different batches: the TP ranks of one data-parallel group read the same one.
+        sampler = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
+        world = int(sampler.get("num_replicas", getattr(self.trainer, "world_size", 1) if self.trainer else 1))
         need = self.cfg.trainer.micro_batch_size * world
         if len(self.train_dataset) < need:
             raise ShardlightError(
                 f"training data gives {len(self.train_dataset)} sequences of {d.seq_len} tokens, fewer than one "
-                f"batch (trainer.micro_batch_size={self.cfg.trainer.micro_batch_size} x {world} ranks); "
+                f"batch (trainer.micro_batch_size={self.cfg.trainer.micro_batch_size} x {world} data-parallel "
+                "ranks); "
                 "add data, lower data.seq_len or micro_batch_size")
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:

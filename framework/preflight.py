@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -30,9 +31,9 @@ from shardlight.prepared_data import cache_root
 from shardlight.recipe import ModelConfig, RecipeConfig
 from shardlight.run_context import RunContext, usable_cores
 from shardlight.strategy import find_block_classes, resolve_recipe_fsdp
-from shardlight.strategy.sharded_load import checkpoint_keys, largest_read_bytes, load_host_bytes
+from shardlight.strategy.sharded_load import PEFT_PREFIX, checkpoint_keys, file_key, largest_read_bytes, load_host_bytes
 from shardlight.strategy.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-from shardlight.strategy.wrapping import block_modules, check_tied_weights, unit_modules
+from shardlight.strategy.wrapping import block_modules, check_tied_weights, tie_groups, unit_modules
 
 # Ranks per core on CPU beyond which a run crawls so badly it looks hung (2 is normal: 4-rank tests on 2 cores).
 MAX_CPU_RANKS_PER_CORE = 2
@@ -110,8 +111,11 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
     check_router_aux(cfg, config)
     # On the meta device, as the ranks will (peft's own refusals surface here); the block classes to wrap
     # are looked up in the wrapped model, as FSDP will.
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft's own hint that an adapter sits on a tied layer: check_adapters_keep_ties refuses it in one line.
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*", category=UserWarning)
         skeleton = apply_adapters(skeleton, peft_cfg=cfg.peft, seed=cfg.trainer.seed)
+    check_adapters_keep_ties(skeleton)
     classes = None
     if cfg.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         classes = find_block_classes(skeleton, cfg.fsdp.transformer_cls_names_to_wrap)
@@ -122,6 +126,21 @@ def check_model(cfg: RecipeConfig, config: PretrainedConfig, resolved,
     if step:
         check_model_step(cfg, config, skeleton, resolved)
     return skeleton, classes
+
+
+def check_adapters_keep_ties(adapted: torch.nn.Module) -> None:
+    """peft keeps a tied weight one parameter only while no adapter or trainable copy sits on one of its
+    modules: a LoRA on the head alone would be lost when the merged model ties it again, a ``modules_to_save``
+    copy trains apart from the embedding. Refuse both, naming the module."""
+    for group in tie_groups(adapted):
+        wrapped = [name for name in group if file_key(name) != name.removeprefix(PEFT_PREFIX)]
+        if wrapped:
+            module = file_key(wrapped[0]).rsplit(".", 1)[0]
+            others = " and ".join(sorted({file_key(n) for n in group} - {file_key(wrapped[0])}))
+            raise ShardlightError(
+                f"peft: {module} holds a weight tied to {others} (tied embeddings), and an adapter or trainable "
+                f"copy on one of them would untie them; leave {module.rsplit('.', 1)[-1]} out of "
+                "peft.target_modules and peft.modules_to_save, or untie with model.config.tie_word_embeddings=false")
 
 
 def check_cpu_ranks(cfg: RecipeConfig) -> None:

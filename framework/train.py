@@ -6,8 +6,10 @@ ends right there: one ``error:`` line, a summary with ``stopped``, no final vali
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Sequence
@@ -17,8 +19,11 @@ import lightning.pytorch as pl
 import transformers
 
 from shardlight.build import build_datamodule, build_module, build_trainer
+from shardlight.callbacks.peer_failure import peer_failure
 from shardlight.causal_lm import NonFiniteStop
 from shardlight.checkpoint import export_checkpoint, export_live, find_callback, resolve_resume
+from shardlight.checkpoint.export import MODEL_DIR
+from shardlight.errors import first_line
 from shardlight.files import write_json
 from shardlight.launch import launcher_named
 from shardlight.preflight import preflight
@@ -117,6 +122,60 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
     return summary
 
 
+def _export_failed(exc: Exception, cfg: RecipeConfig, trainer, module, run_dir: Path, started: float,
+                   summary_json: Optional[str]) -> Dict[str, Any]:
+    """The end-of-run export failed after the final step was checkpointed (``build_checkpoint_callback``): rank 0
+    says what failed and the ``shardlight export`` command that retries it, in one line; every rank's traceback
+    goes to ``run_dir/export_error_rank<R>.txt``. A dead or hung peer has already been reported in its own line
+    (``peer_failures_reported``): this rank adds the retry command and re-raises, as before."""
+    rank = trainer.global_rank
+    callback = find_callback(trainer)
+    saved = callback.last_saved if callback is not None else None
+    retry = (f"shardlight export {saved} --out {run_dir / MODEL_DIR}" + (" --merge" if cfg.peft.method else "")
+             if saved is not None else None)
+    kept = f"step {trainer.global_step} is saved in {saved}; retry with: {retry}" if retry else "no checkpoint"
+    trace = run_dir / f"export_error_rank{rank}.txt"
+    trace.write_text("".join(traceback.format_exception(exc)))
+    if peer_failure(exc) is not None:
+        if rank == 0:
+            print(f"shardlight: the export failed; {kept}", file=sys.stderr, flush=True)
+        raise exc
+    message = f"the export to {run_dir / MODEL_DIR} failed ({type(exc).__name__}: {first_line(exc)}); {kept}"
+    summary = {
+        "stopped": message,
+        "first_val_loss": module.first_val_loss,
+        "final_val_loss": module.last_val_loss,
+        "steps": trainer.global_step,
+        "run_dir": str(run_dir),
+        "model_dir": None,
+        "checkpoint": str(saved) if saved else None,
+        "wall_time_s": round(time.time() - started, 2),
+        "world_size": trainer.world_size,
+    }
+    if trainer.is_global_zero:
+        write_json(run_dir / "summary.json", summary)
+        if summary_json:
+            write_json(summary_json, summary)
+        print(f"error: {message} (traceback in {trace})", file=sys.stderr, flush=True)
+    return summary
+
+
+def drop_export_only_checkpoint(trainer) -> None:
+    """With checkpoints off, the final save only kept the run safe until its export verified: remove it."""
+    callback = find_callback(trainer)
+    if callback is None or not callback.for_export or callback.last_saved is None:
+        return
+    if trainer.is_global_zero:
+        shutil.rmtree(callback.last_saved, ignore_errors=True)
+        root = callback.last_saved.parent
+        for pointer in root.glob("*"):
+            if pointer.is_file():
+                pointer.unlink()
+        if not any(root.iterdir()):
+            root.rmdir()
+    callback.last_saved = None
+
+
 def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None,
           instruments: Sequence[Instrument] = ()) -> Dict[str, Any]:
     """One run on this process's rank: preflight, run dir and resume decision (made once, handed to the ranks
@@ -164,7 +223,11 @@ def train(ctx: RunContext, cfg: RecipeConfig, summary_json: Optional[str] = None
             logger.log_hyperparams({"fsdp_wrap_report": wrap})
     exported = {"model_dir": None, "export_max_abs_diff": None}
     if cfg.export.at_end:  # every rank: each writes its slices of the model
-        exported = export_live(trainer, module, tokenizer, run_dir, max_shard_bytes(cfg))
+        try:
+            exported = export_live(trainer, module, tokenizer, run_dir, max_shard_bytes(cfg))
+        except Exception as exc:  # noqa: BLE001 - whatever broke the export, the final step is safe: say how to retry
+            return _export_failed(exc, cfg, trainer, module, run_dir, started, summary_json)
+        drop_export_only_checkpoint(trainer)
     model_dir = exported["model_dir"]
 
     summary = {

@@ -97,3 +97,35 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+GLOO_FITS_WORKER = REPO / "tests" / "workers" / "gloo_fits.py"
+
+
+def gloo_fits(recipe, world, runs, out, timeout=600):
+    """Every rank of ``world`` started here torchrun-style (tests/workers/gloo_fits.py); each runs every fit of
+    ``runs`` ({name: overrides}, or {name: {"overrides": [...], "train": true}}) in one gloo process group.
+    Returns {name: rank 0's result}."""
+    import json
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    specs = {name: run if isinstance(run, dict) else {"overrides": run} for name, run in runs.items()}
+    spec.write_text(json.dumps({"runs": {name: {**run, "recipe": str(run.get("recipe", recipe)),
+                                                "overrides": [f"trainer.devices={world}", *run["overrides"]]}
+                                         for name, run in specs.items()}}))
+    env = without_run_env(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0",
+               PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, str(GLOO_FITS_WORKER), str(spec), str(out)], cwd=REPO, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in runs}

@@ -341,6 +341,35 @@ def test_peer_dies_or_hangs_in_the_export_after_fit_other_exits_with_clear_messa
     assert code == 1, (code, stderr[-3000:])
 
 
+def test_a_failed_export_loses_nothing_and_says_how_to_retry(tiny, tmp_path):
+    """Every rank's safetensors write raises (a full disk) with checkpoints off: the final step is still saved
+    (before the export), the run exits 1 with one ``error:`` line naming the ``shardlight export`` command that
+    retries, no traceback; that command, run as written, writes the model."""
+    _, recipe = tiny
+    env = without_run_env(os.environ)
+    env.update(PYTHONPATH=str(REPO), EXPORT_FAULT="all:raise", EXPORT_FAULT_DIR=str(tmp_path / "marks"))
+    result = subprocess.run(
+        [sys.executable, str(EXPORT_FAULT_WORKER), "train", str(recipe), f"output_dir={tmp_path / 'runs'}", *FAST,
+         "trainer.max_steps=2", "checkpoint.enabled=false"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "No space left on device (injected)" in errors[0], errors
+    retry = re.search(r"retry with: shardlight (export \S+ --out \S+)", errors[0])
+    assert retry, errors
+    checkpoint = Path(retry.group(1).split()[1])
+    from shardlight.checkpoint.store import META
+    from shardlight.cli.main import main
+
+    assert checkpoint.name == "step-2" and (checkpoint / META).is_file()
+    assert main(retry.group(1).split()) == 0
+    model_dir = Path(retry.group(1).split()[-1])
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(model_dir))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_save_keeps_previous_checkpoint_and_resume_auto_uses_it(tiny, run_a, tmp_path, mode):
     _, recipe = tiny

@@ -77,6 +77,17 @@ BAD_MODELS = [
     ("tied_weight_across_units", ["model.config.tie_word_embeddings=true",
                                   "fsdp.transformer_cls_names_to_wrap=[LlamaDecoderLayer,Embedding]"],
      "are one tied weight in two FSDP units", "set fsdp.transformer_cls_names_to_wrap: [LlamaDecoderLayer]"),
+    ("tied_head_in_the_tp_plan", ["model.config.tie_word_embeddings=true", "fsdp.fsdp_version=2",
+                                  "parallelism.tp_size=2", "trainer.devices=4",
+                                  "parallelism.tp_plan={lm_head: colwise, model.layers.*.mlp.up_proj: colwise}"],
+     "parallelism.tp_plan: lm_head would shard lm_head.weight, one weight with model.embed_tokens.weight",
+     "leave lm_head out of the plan"),
+    ("lora_on_a_tied_head", ["model.config.tie_word_embeddings=true", "peft.method=lora",
+                             "peft.target_modules=[q_proj,lm_head]"],
+     "peft: lm_head holds a weight tied to model.embed_tokens.weight", "leave lm_head out of peft.target_modules"),
+    ("trainable_copy_of_a_tied_embedding", ["model.config.tie_word_embeddings=true", "peft.method=lora",
+                                            "peft.target_modules=[q_proj]", "peft.modules_to_save=[embed_tokens]"],
+     "peft: model.embed_tokens holds a weight tied to lm_head.weight"),
 ]
 BAD_MODELS = [(case[0], case[1], case[2:]) for case in BAD_MODELS]
 

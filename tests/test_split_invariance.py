@@ -7,30 +7,26 @@ accumulation steps (Lightning in this process), and on real gloo ranks 2 x 4, 2 
 FSDP2), packed blocks, the loss in 4 pieces, LoRA, and dp 2 x tp 2 on 4 ranks. Before this held, micro-batch 1 x 8
 gave a gradient norm 41% off (115% packed).
 
-The ranks of each world size are one process tree (tests/workers/split_invariance.py) that runs all its fits in
+The ranks of each world size are one process tree (tests/workers/gloo_fits.py) that runs all its fits in
 one gloo process group: 20 s for 2 ranks x 8 fits and 21 s for 4 ranks x 1 fit on 2 quiet cores; the one-rank
 fits run in this process (about 1 s each).
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import REPO, free_port, save_tiny_llama
+from conftest import REPO, gloo_fits, save_tiny_llama
 from torch.utils.data import default_collate
-from workers.split_invariance import FirstStepGradients
+from workers.gloo_fits import FirstStepGradients
 
 from shardlight.build import build_module, build_tokenizer
 from shardlight.causal_lm import clean_param_name
 from shardlight.data import SFTDataModule
 from shardlight.recipe import load_recipe
 
-WORKER = REPO / "tests" / "workers" / "split_invariance.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
 STEPS, SEQ_LEN, LR = 5, 80, 1e-3
 LONG = "A river starts as rain on the hills, runs down through the woods and fields, and reaches the sea"
@@ -118,28 +114,6 @@ def one_rank(recipe, overrides):
             "batches": capture.batches}
 
 
-def ranks(recipe, world, runs, out):
-    """Every rank of ``world`` started here torchrun-style; each runs every fit of ``runs`` ({name: overrides})."""
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"runs": {name: {"recipe": str(recipe), "overrides": [f"trainer.devices={world}",
-                                                                                      *overrides]}
-                                         for name, overrides in runs.items()}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0",
-               PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out)], cwd=REPO, text=True,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in runs}
-
-
 def worst_relative(actual, expected):
     """The largest ``|a - e| / |e|`` (norms) over the parameters, and its parameter."""
     assert set(actual) == set(expected), set(actual) ^ set(expected)
@@ -169,7 +143,7 @@ def two_ranks(setup, tmp_path_factory):
         "bf16-mixed fsdp2 2x1 acc4": ["fsdp.fsdp_version=2", "trainer.precision=bf16-mixed",
                                       "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=4"],
     }
-    return ranks(setup, 2, runs, tmp_path_factory.mktemp("two_ranks"))
+    return gloo_fits(setup, 2, runs, tmp_path_factory.mktemp("two_ranks"))
 
 
 def test_the_examples_are_uneven_and_pack_into_four_blocks(setup):
@@ -243,7 +217,7 @@ def test_dp2_x_tp2_counts_each_data_parallel_group_s_tokens_once(setup, truths, 
     """4 gloo ranks, FSDP2 over dp 2 x TP 2: the TP pair of each data-parallel rank sees the same tokens."""
     runs = {"dp2 x tp2 2x2 acc2": ["fsdp.fsdp_version=2", "parallelism.tp_size=2", "trainer.micro_batch_size=2",
                                    "trainer.accumulate_grad_batches=2"]}
-    run = ranks(setup, 4, runs, tmp_path)["dp2 x tp2 2x2 acc2"]
+    run = gloo_fits(setup, 4, runs, tmp_path)["dp2 x tp2 2x2 acc2"]
     grads, weights = truths["full"]
     error, where = worst_relative(run["grads"], grads)
     assert error <= GRAD_RTOL, f"{where} off by {error:.2e}"

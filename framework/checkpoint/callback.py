@@ -160,6 +160,8 @@ class HostCopyStager(AsyncStager):
 # ---------------------------------------------------------------- the callback
 class CheckpointCallback(Callback):
     """Saves every ``every_n_steps`` optimizer steps and at the end; resumes from ``resume_from``.
+    ``for_export``: checkpoints are off and the final save only keeps the run safe until its export verified
+    (``shardlight.train`` removes it then).
 
     Saving happens in ``on_train_batch_end``, where Lightning's own ModelCheckpoint saves, so the loop
     progress we store is the state Lightning's restart logic expects.
@@ -168,12 +170,13 @@ class CheckpointCallback(Callback):
     def __init__(self, run_dir: Path, every_n_steps: Optional[int], keep_last: Optional[int],
                  save_last: bool = True, resume_from: Optional[Path] = None,
                  fault_kill_in_save_step: Optional[int] = None, frozen_base: Optional[str] = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, for_export: bool = False) -> None:
         self.root = Path(run_dir) / CHECKPOINTS
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.save_last = save_last
         self.async_save = async_save
+        self.for_export = for_export
         # async: the background writer, the save in flight, its process group, and the training step
         # (read by the writer to tell how far training went while it wrote).
         self._writer: Optional[ThreadPoolExecutor] = None
@@ -409,14 +412,19 @@ class CheckpointCallback(Callback):
 
 
 def build_checkpoint_callback(cfg: Any, ctx: RunContext) -> Optional[CheckpointCallback]:
-    """The recipe's ``checkpoint:`` section and the run's resume decision → the callback (or None)."""
+    """The recipe's ``checkpoint:`` section and the run's resume decision → the callback (or None). A run that
+    exports at its end always saves its final step first, so a failed export loses nothing: with checkpoints
+    off, that one save is ``for_export`` (removed once the export verified)."""
     ck, resume, kill = cfg.checkpoint, ctx.resume_from, ctx.fault_kill_in_save_step
     frozen_base = cfg.model.name_or_path if base_is_referenced(cfg) else None
     if not ck.enabled:
+        if not (resume or cfg.export.at_end):
+            return None
         # Resuming still works with saving turned off.
-        return CheckpointCallback(ctx.run_dir, None, None, save_last=False, resume_from=resume,
-                                  fault_kill_in_save_step=kill, frozen_base=frozen_base) if resume else None
-    return CheckpointCallback(ctx.run_dir, ck.every_n_steps, ck.keep_last, save_last=ck.save_last,
+        return CheckpointCallback(ctx.run_dir, None, None, save_last=cfg.export.at_end, resume_from=resume,
+                                  fault_kill_in_save_step=kill, frozen_base=frozen_base,
+                                  for_export=cfg.export.at_end)
+    return CheckpointCallback(ctx.run_dir, ck.every_n_steps, ck.keep_last, save_last=ck.save_last or cfg.export.at_end,
                               resume_from=resume, fault_kill_in_save_step=kill, frozen_base=frozen_base,
                               async_save=ck.async_save)
 

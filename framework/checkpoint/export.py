@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, TypedDict
+from typing import Any, Dict, List, Mapping, Set, TypedDict
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -84,7 +84,7 @@ def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
     model_dir = run_dir / MODEL_DIR
     reference = live_reference_logits(trainer, module)
     with peer_failures_reported(trainer.global_rank), quiet_state_dict_warnings():
-        state = sharded_hf_state(trainer.strategy.model)
+        state = sharded_hf_state(trainer.strategy.model, module.model)
         refuse_nonfinite(state)
         write_safetensors_folder(state, model_dir, max_shard_bytes)
         if trainer.is_global_zero:
@@ -106,19 +106,32 @@ def export_full_live(trainer: Any, module: Any, tokenizer: Any, run_dir: Path,
     return {"model_dir": str(model_dir), "export_max_abs_diff": diff}
 
 
-def sharded_hf_state(root: nn.Module) -> Dict[str, torch.Tensor]:
+def sharded_hf_state(root: nn.Module, hf_model: nn.Module) -> Dict[str, torch.Tensor]:
     """The HF model's weights as the ranks hold them (``get_model_state_dict`` of the strategy's root, which
     speaks FSDP1, FSDP2, TP and plain modules alike), under the HF model's names; of tied weights the first
     name only, as ``save_pretrained`` writes them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(root)
-    return {name[len(MODULE_PREFIX):]: tensor for name, tensor in first_names(state).items()
-            if name.startswith(MODULE_PREFIX)}
+    aliases = tied_aliases(hf_model)
+    return {name[len(MODULE_PREFIX):]: tensor for name, tensor in state.items()
+            if name.startswith(MODULE_PREFIX) and name[len(MODULE_PREFIX):] not in aliases}
+
+
+def tied_aliases(hf_model: nn.Module) -> Set[str]:
+    """The second name of each tied weight of ``hf_model`` (e.g. ``lm_head.weight``), read from its class built
+    on the meta device: the state dict of a sharded model gives each name of a tie a tensor of its own (FSDP1
+    and FSDP2 alike), and FSDP1 without ``use_orig_params`` hides the original parameters, so the tie is
+    taken from the architecture, where ``tie_weights`` makes it one parameter under two names."""
+    with torch.device("meta"):
+        skeleton = type(hf_model)(copy.deepcopy(hf_model.config))
+    names = skeleton.state_dict(keep_vars=True)
+    return set(names) - set(first_names(names))
 
 
 def first_names(state: Mapping[str, Any]) -> Dict[str, Any]:
-    """``state`` with each tensor under its first name only, as ``save_pretrained`` writes tied weights."""
+    """``state`` (a module's own tensors: ``state_dict(keep_vars=True)``) with each tensor under its first name
+    only, as ``save_pretrained`` writes tied weights."""
     seen: set = set()
     out: Dict[str, Any] = {}
     for name, tensor in state.items():

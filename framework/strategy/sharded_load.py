@@ -26,7 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # peft's names around a base model's tensors: the PeftModel/LoraModel prefix, the wrapped base layer, and the
 # frozen original and trainable copy of a ``modules_to_save`` module. Each is the checkpoint's tensor.
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 _PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
 
 Built = TypeVar("Built")
@@ -50,7 +50,7 @@ def checkpoint_keys(folder: Path) -> Optional[Dict[str, str]]:
 def file_key(name: str, prefix: str = "") -> str:
     """The checkpoint's name for the model's state-dict key ``name`` (under ``prefix``, the wrapper's own
     attribute path), without peft's wrapping names."""
-    name = name.removeprefix(prefix).removeprefix(_PEFT_PREFIX)
+    name = name.removeprefix(prefix).removeprefix(PEFT_PREFIX)
     return _PEFT_INFIX.sub("", name)
 
 

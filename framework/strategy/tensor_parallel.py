@@ -22,6 +22,7 @@ from torch import nn
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe.schema import TP_STYLES
+from shardlight.strategy.wrapping import tie_groups
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 # The config sizes a TP degree must divide: heads are split whole across ranks, so are the MLP's columns.
@@ -139,6 +140,16 @@ def check_tensor_parallel(model: nn.Module, dims: ParallelDims) -> Dict[str, str
         if not any(_matches(name, pattern) for name in names):
             raise ShardlightError(f"parallelism.tp_plan: {pattern} matches no module of the model; candidates: "
                                   + ", ".join(linear_globs(model)))
+    for group in tie_groups(model):
+        sharded = [(p, n) for n in group for p in plan if _matches(n.rsplit(".", 1)[0], p)]
+        if sharded:
+            pattern, name = sharded[0]
+            others = " and ".join(sorted(set(group) - {name}))
+            raise ShardlightError(
+                f"parallelism.tp_plan: {pattern} would shard {name}, one weight with {others} "
+                "(tied embeddings), and tensor parallelism shards each module's weights apart, breaking the tie; "
+                f"leave {name.rsplit('.', 1)[0]} out of the plan (it stays whole on every TP rank) or untie it with "
+                "model.config.tie_word_embeddings=false")
     return plan
 
 

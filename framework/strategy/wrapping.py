@@ -73,6 +73,15 @@ def unit_modules(model: nn.Module, auto_wrap_policy: str, class_names: Optional[
     return []
 
 
+def tie_groups(model: nn.Module) -> List[List[str]]:
+    """The names of each weight ``model`` holds under several names (``tie_word_embeddings``: the input
+    embedding and the output head), in the model's order."""
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def check_tied_weights(model: nn.Module, units: List[nn.Module]) -> None:
     """A weight tied between two units (a ``_no_split_modules`` class holding the embeddings that the head
     outside it shares) would be sharded by one unit and read whole by the other: refuse it, naming the unit

@@ -1,7 +1,8 @@
 """`shardlight train ARGS` where one rank dies or stops in the live export after fit, for the fault tests.
 
-$EXPORT_FAULT is ``<rank>:kill`` (SIGKILL) or ``<rank>:stop`` (SIGSTOP: a hung rank). That rank does it to
-itself as it enters the safetensors write (the reference forward before it has run on every rank), so the
+$EXPORT_FAULT is ``<rank>:kill`` (SIGKILL) or ``<rank>:stop`` (SIGSTOP: a hung rank), or ``all:raise`` (every rank
+raises ``OSError``, as a full disk they share would). That rank does it to itself as it enters the safetensors
+write (the reference forward before it has run on every rank), so the
 other rank is inside the export's collectives when the peer goes. Every rank writes its pid to
 ``$EXPORT_FAULT_DIR/rank<R>.pid`` at start; the victim writes the time of its fault to ``fault`` just before.
 
@@ -21,13 +22,15 @@ import shardlight.checkpoint.export as export  # noqa: E402
 
 _DIR = Path(os.environ["EXPORT_FAULT_DIR"])
 _RANK, _ACTION = os.environ["EXPORT_FAULT"].split(":")
-_SIGNAL = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[_ACTION]
+_SIGNAL = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": None}[_ACTION]
 _write = export.write_safetensors_folder
 
 
 def _faulty_write(state, out_dir, max_shard_bytes):
     import torch.distributed as dist
 
+    if _ACTION == "raise":
+        raise OSError(28, "No space left on device (injected)")
     if dist.get_rank() == int(_RANK):
         (_DIR / "fault").write_text(repr(time.time()))
         os.kill(os.getpid(), _SIGNAL)

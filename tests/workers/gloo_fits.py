@@ -1,11 +1,16 @@
-"""One rank of several Lightning fits of the same examples split differently (micro-batches, accumulation,
-ranks, FSDP1/FSDP2, TP, packing, loss pieces, LoRA): each fit's first optimizer step's gradient, every parameter
-gathered whole, and its weights after the last step. The test (tests/test_split_invariance.py) starts every rank
+"""One rank of several Lightning fits in one gloo process group: each fit's first optimizer step's gradient,
+every parameter gathered whole, and its weights after the last step. ``conftest.gloo_fits`` starts every rank
 torchrun-style (LOCAL_RANK, MASTER_PORT, ...), so Lightning launches nothing: the ranks keep one gloo process
 group and run the fits one after another, paying the start-up once for all of them.
 
-Usage: python split_invariance.py SPEC.json OUT_DIR. SPEC: {"runs": {name: {"recipe": path, "overrides": [...]}}}.
-OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor}, "steps": n}.
+A fit is ``Trainer.fit`` alone, or with ``"train": true`` the whole of ``shardlight.train.train`` (preflight,
+fit, final validation, export, checkpoints, summary), whose files the test reads from the run dir.
+
+Usage: python gloo_fits.py SPEC.json OUT_DIR.
+SPEC: {"runs": {name: {"recipe": path, "overrides": [...], "train": bool}}}.
+OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor}, "steps": n}; with ``train``
+instead of "weights": "tied_live" (the input and output embeddings one parameter in the live model after the
+export) and "summary" (train's).
 """
 
 import json
@@ -73,13 +78,44 @@ def fit(recipe: str, overrides, rank: int):
     return {"grads": capture.grads, "weights": weights, "steps": trainer.global_step}
 
 
+class TieProbe:
+    """A ``train`` instrument: the first step's gradients, and whether the live model still ties its input and
+    output embeddings once the run is over (the same parameter object, as ``tie_weights`` made it)."""
+
+    def __init__(self) -> None:
+        self.capture = FirstStepGradients()
+        self.tied_live = None
+
+    def callbacks(self, cfg, ctx):
+        return [self.capture]
+
+    def after_fit(self, trainer, module, cfg, run_dir):
+        model = module.model
+        self.tied_live = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        return {}
+
+
+def train_run(recipe: str, overrides, rank: int):
+    from shardlight.recipe import load_recipe
+    from shardlight.run_context import RunContext
+    from shardlight.train import train
+
+    cfg = load_recipe(recipe, overrides)
+    # The resume decision (cfg.resume) is train's, on every rank alike.
+    ctx = RunContext(launcher="lightning", rank=rank, launched=True, run_dir=Path(cfg.output_dir) / cfg.name)
+    probe = TieProbe()
+    summary = train(ctx, cfg, instruments=[probe])
+    return {"grads": probe.capture.grads, "tied_live": probe.tied_live, "summary": summary,
+            "steps": summary["steps"]}
+
+
 def main(spec_path: str, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_dir)
     for name, run in spec["runs"].items():
-        result = fit(run["recipe"], run["overrides"], rank)
+        result = (train_run if run.get("train") else fit)(run["recipe"], run["overrides"], rank)
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
 
