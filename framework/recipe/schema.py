@@ -447,14 +447,17 @@ class PeftConfig:
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = field(default=True, metadata={"help": "Save sharded (DCP) checkpoints to run_dir/checkpoints/."})
+    enabled: bool = field(default=True, metadata={"help": (
+        "Save sharded (DCP) checkpoints to run_dir/checkpoints/ (false: none, but a run that exports at its end "
+        "still saves its final step first and removes it once the export verified).")})
     every_n_steps: Optional[int] = field(
         default=100, metadata={"positive": True, "help": "Optimizer steps between checkpoints (null: only at the end)."}
     )
     keep_last: Optional[int] = field(
         default=2, metadata={"positive": True, "help": "Keep this many newest checkpoints (null: all)."}
     )
-    save_last: bool = field(default=True, metadata={"help": "Also save when training ends."})
+    save_last: bool = field(default=True, metadata={"help": (
+        "Also save when training ends (always, with export.at_end: a failed export then loses nothing).")})
     async_save: bool = field(default=False, metadata={"help": (
         "Write checkpoints in the background (dcp.async_save): a step copies its shards to host memory and "
         "training goes on while they are written; a save still running when the next is due, or at the end, "
