@@ -26,6 +26,29 @@ def test_default_recipe_loads_and_resolves_paths_relative_to_the_recipe():
     assert cfg.model.trust_remote_code is False
 
 
+def test_a_shipped_recipe_by_name_and_a_copy_of_it(tmp_path, monkeypatch, capsys):
+    """By name from anywhere (the shipped file); a copy, which loads to the same recipe from its own folder and
+    then wins over the shipped one; an unknown name lists the shipped ones; no overwrite without force."""
+    from shardlight.recipe.catalog import catalog, copy_recipe
+
+    monkeypatch.chdir(tmp_path)
+    shipped = load_recipe("tiny-llama-lora")
+    assert shipped.peft.method == "lora" and shipped.name == "tiny-llama-lora"
+    assert load_recipe("recipes/tiny-llama-lora.yaml") == shipped
+    copied = copy_recipe("tiny-llama-lora", "mine/")
+    assert copied == tmp_path / "mine" / "tiny-llama-lora.yaml"
+    assert load_recipe(str(copied)) == shipped
+    (tmp_path / "tiny-llama-sft.yaml").write_text("base: recipes/tiny-llama-sft.yaml\ntrainer: {max_steps: 7}\n")
+    assert load_recipe("tiny-llama-sft").trainer.max_steps == 7  # the user's file wins
+    with pytest.raises(ShardlightError, match=r"no shipped recipe is named 'nope'; shipped recipes: llama-3-70b"):
+        load_recipe("nope")
+    with pytest.raises(ShardlightError, match="exists; pass --force to overwrite it"):
+        copy_recipe("tiny-llama-lora", str(copied))
+    assert [row["name"] for row in catalog()] == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert main(["recipes"]) == 0
+    assert "tiny-llama-lora     llama (inline config)    FSDP1 FULL_SHARD + LoRA" in capsys.readouterr().out
+
+
 def test_inheritance_and_overrides(tmp_path):
     child = write(tmp_path / "child.yaml", f"""
         base: {DEFAULT_RECIPE}

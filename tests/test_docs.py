@@ -164,11 +164,37 @@ def test_shardlight_command_as_written(doc, command):
             key = item.split("=", 1)[0]
             known_key = key in keys or any(key.startswith(m + ".") for m in mappings)
             assert known_key, f"{doc}: `{command}`: {key!r} is not a recipe key"
+        elif i == 0 and parser.prog.endswith(" recipes"):
+            continue  # `recipes copy NAME DEST`: checked by test_recipes_copied_in_the_docs_are_shipped
         elif i == 0:
-            assert item.endswith((".yaml", ".yml")), f"{doc}: `{command}`: {item!r} is not a recipe file"
-            assert (REPO / item).is_file(), f"{doc}: `{command}`: no recipe file {item}"
+            from shardlight.recipe.recipe_files import shipped_recipe
+
+            shipped_or_copied = shipped_recipe(item) is not None or item in _copied_recipes(doc)
+            assert item.endswith((".yaml", ".yml")) or shipped_or_copied, \
+                f"{doc}: `{command}`: {item!r} is not a recipe file"
+            assert (REPO / item).is_file() or shipped_or_copied, f"{doc}: `{command}`: no recipe file {item}"
         else:
             pytest.fail(f"{doc}: `{command}`: a second positional word {item!r}")
+
+
+def _copied_recipes(doc: str) -> set:
+    """The files a doc's ``shardlight recipes copy NAME DEST`` commands write (its later commands train them)."""
+    out = set()
+    for d, command in _shardlight_commands():
+        words = shlex.split(command, comments=True)
+        if d == doc and words[1:3] == ["recipes", "copy"] and len(words) >= 5:
+            out.add(words[4])
+    return out
+
+
+def test_recipes_copied_in_the_docs_are_shipped():
+    from shardlight.recipe.recipe_files import shipped_recipe
+
+    copies = [(d, shlex.split(c, comments=True)) for d, c in _shardlight_commands()]
+    copies = [(d, words) for d, words in copies if words[1:3] == ["recipes", "copy"]]
+    assert copies
+    for doc, words in copies:
+        assert len(words) >= 4 and shipped_recipe(words[3]) is not None, f"{doc}: {' '.join(words)}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=_id)

@@ -56,8 +56,11 @@ def test_wheel_installs_only_the_shardlight_namespace_and_ships_the_recipes(whee
     assert not any(name.startswith(("tests/", "benchmarks/", "framework/")) for name in names)
 
 
-def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """The wheel installed into a fresh venv; returns (its ``shardlight`` script, its site-packages, an
+    environment without this checkout on the path)."""
+    venv = tmp_path_factory.mktemp("installed") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(subprocess.check_output([str(venv / "bin" / "python"), "-c", purelib], text=True).strip())
@@ -68,14 +71,19 @@ def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
                               "--no-deps", "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "SHARDLIGHT_RUN_DIR")}
+    return venv / "bin" / "shardlight", site, env
+
+
+def test_installed_wheel_trains_from_another_directory(installed, tmp_path):
+    shardlight, site, env = installed
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "SHARDLIGHT_RUN_DIR")}
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import shardlight; print(shardlight.__file__)"],
+    where = subprocess.run([str(shardlight.parent / "python"), "-c", "import shardlight; print(shardlight.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr
     result = subprocess.run(
-        [str(venv / "bin" / "shardlight"), "train", "trainer.max_steps=3", "trainer.val_every_n_steps=3",
+        [str(shardlight), "train", "trainer.max_steps=3", "trainer.val_every_n_steps=3",
          "output_dir=runs",
          "callbacks.comm.enabled=false", "trainer.progress_bar=false"],
         cwd=work, env=env, capture_output=True, text=True, timeout=600)
@@ -83,6 +91,47 @@ def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
     assert "shardlight: 3 steps" in result.stdout
     (run_dir,) = (work / "runs" / "tiny-llama-sft").iterdir()
     assert (run_dir / "model" / "config.json").is_file() and (run_dir / "summary.json").is_file()
+
+
+def test_installed_wheel_names_lists_and_copies_the_shipped_recipes(installed, tmp_path):
+    """From a directory outside the checkout: ``recipes`` lists every shipped recipe, ``plan`` and ``train
+    --print-config`` take a shipped recipe by name, ``recipes copy`` writes a file that ``train --print-config``
+    takes unchanged, a local file of the same name wins, and a second copy is refused without --force."""
+    shardlight, site, env = installed
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+
+    def run(*args):
+        return subprocess.run([str(shardlight), *args], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    shipped = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    listed = run("recipes")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    names = [line.split()[0] for line in listed.stdout.splitlines()[1:] if line and not line.startswith("Train")]
+    assert names == shipped, listed.stdout
+    plan = run("plan", "llama-3-8b-sft", "--gpu-memory", "80GB")
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    assert plan.stdout.startswith("model: llama-3-8b-sft"), plan.stdout[-2000:]
+    by_name = run("train", "tiny-llama-lora", "--print-config")
+    assert by_name.returncode == 0, by_name.stderr[-3000:]
+    assert by_name.stdout.splitlines()[0] == f"# recipe: {site / 'shardlight' / 'recipes' / 'tiny-llama-lora.yaml'}"
+    assert "method: lora" in by_name.stdout
+
+    copied = run("recipes", "copy", "tiny-llama-sft")
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    local = work / "tiny-llama-sft.yaml"
+    shipped_config = run("train", "tiny-llama-sft.yaml", "--print-config")
+    assert shipped_config.returncode == 0, shipped_config.stderr[-3000:]
+    local.write_text(local.read_text().replace("max_steps: 200", "max_steps: 7"))
+    for name in ("tiny-llama-sft", "tiny-llama-sft.yaml"):  # the user's file wins over the shipped one
+        mine = run("train", name, "--print-config")
+        assert mine.returncode == 0, mine.stderr[-3000:]
+        assert mine.stdout.splitlines()[0] == f"# recipe: {local}" and "max_steps: 7" in mine.stdout
+    again = run("recipes", "copy", "tiny-llama-sft")
+    assert again.returncode == 2 and again.stderr.strip() == f"error: {local} exists; pass --force to overwrite it"
+    assert run("recipes", "copy", "tiny-llama-sft", "--force").returncode == 0
+    assert "max_steps: 200" in local.read_text()
 
 
 def test_the_lock_pins_every_requirement_inside_pyprojects_ranges():

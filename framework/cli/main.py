@@ -15,12 +15,14 @@ from shardlight.cli import (
     diagnose_command,
     launch_command,
     planner_command,
+    recipes_command,
     train_command,
 )
 from shardlight.errors import ShardlightError
 
 # A new command: one module in shardlight/cli/ and one entry here.
-COMMANDS = (train_command, analyze_command, diagnose_command, checkpoint_command, planner_command, launch_command)
+COMMANDS = (train_command, recipes_command, analyze_command, diagnose_command, checkpoint_command, planner_command,
+            launch_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

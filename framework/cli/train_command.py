@@ -15,11 +15,11 @@ def run_train(args: argparse.Namespace) -> int:
     # Quiet third-party chatter that is not the user's concern on an offline CPU run.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
-    from shardlight.recipe import load_recipe, to_yaml
+    from shardlight.recipe import DEFAULT_RECIPE, load_recipe, resolve_recipe, to_yaml
 
     cfg = load_recipe(recipe, overrides, accelerate_config=args.accelerate_config)
-    if args.print_config:
-        sys.stdout.write(to_yaml(cfg))
+    if args.print_config:  # which file it came from: a name may have meant a shipped recipe
+        sys.stdout.write(f"# recipe: {resolve_recipe(recipe).resolve() if recipe else DEFAULT_RECIPE}\n" + to_yaml(cfg))
         return 0
     # No other rank starts before the run is accepted: train() runs the preflight first, and only then does
     # Lightning's launcher start ranks 1..N-1 (issue 34: ranks started ahead of it outran its refusal).

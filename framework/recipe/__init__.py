@@ -7,7 +7,7 @@ The bottom of the training core: imports nothing of shardlight's but ``errors`` 
 """
 
 from shardlight.recipe.load import load_recipe, to_dict, to_yaml
-from shardlight.recipe.recipe_files import DEFAULT_RECIPE, RECIPES_DIR
+from shardlight.recipe.recipe_files import DEFAULT_RECIPE, RECIPES_DIR, resolve_recipe
 from shardlight.recipe.schema import (
     CallbacksConfig,
     CheckpointConfig,
@@ -29,7 +29,7 @@ from shardlight.recipe.schema import (
 from shardlight.recipe.validate import get_key, validate
 
 __all__ = [
-    "DEFAULT_RECIPE", "RECIPES_DIR", "load_recipe", "to_dict", "to_yaml", "validate", "get_key",
+    "DEFAULT_RECIPE", "RECIPES_DIR", "load_recipe", "resolve_recipe", "to_dict", "to_yaml", "validate", "get_key",
     "RecipeConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "SourceConfig", "MixtureSource", "OptimConfig",
     "PeftConfig", "TrainerConfig",
     "FSDPConfig", "ParallelismConfig", "LoggingConfig", "WandbConfig", "CallbacksConfig", "CheckpointConfig",

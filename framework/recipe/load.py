@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardlight.errors import ShardlightError
 from shardlight.recipe.accelerate import accelerate_config_overrides
-from shardlight.recipe.recipe_files import DEFAULT_RECIPE, find_base, load_yaml
+from shardlight.recipe.recipe_files import DEFAULT_RECIPE, find_base, load_yaml, resolve_recipe
 from shardlight.recipe.schema import FSDPConfig, RecipeConfig
 from shardlight.recipe.validate import validate
 
@@ -213,15 +213,21 @@ def _resolve_paths(raw: dict, base_dir: Path) -> None:
                 sub[key] = str(candidate)
 
 
-def _recipe_chain(path: Path, seen: tuple = ()) -> List[tuple]:
-    path = path.resolve()
-    if path in seen:
-        raise ShardlightError(f"recipe inheritance loop: {' -> '.join(str(p) for p in seen + (path,))}")
+def read_recipe_file(path: Path) -> dict:
+    """One recipe file as checked sections, its relative paths made absolute (its ``base:`` left as written)."""
     raw = load_yaml(path)
     _check_keys(raw, RecipeConfig, "", str(path))
     _normalize_raw(raw)
     _conform(raw, RecipeConfig, "", str(path))
     _resolve_paths(raw, path.parent)
+    return raw
+
+
+def _recipe_chain(path: Path, seen: tuple = ()) -> List[tuple]:
+    path = path.resolve()
+    if path in seen:
+        raise ShardlightError(f"recipe inheritance loop: {' -> '.join(str(p) for p in seen + (path,))}")
+    raw = read_recipe_file(path)
     chain = []
     base = raw.pop("base", None)
     if base is not None:
@@ -252,8 +258,9 @@ def _normalize_raw(raw: dict) -> None:
 
 def load_recipe(path: Optional[str] = None, overrides: Optional[List[str]] = None,
                 accelerate_config: Optional[str] = None) -> RecipeConfig:
-    """Recipe file (or the default) [+ an ``accelerate config`` YAML] + overrides → validated ``RecipeConfig``."""
-    recipe_path = Path(path) if path else DEFAULT_RECIPE
+    """Recipe file or shipped recipe name (or the default) [+ an ``accelerate config`` YAML] + overrides →
+    validated ``RecipeConfig``."""
+    recipe_path = resolve_recipe(path) if path else DEFAULT_RECIPE
     chain = _recipe_chain(recipe_path)
     for _, raw in chain[:-1]:
         raw.pop("name", None)  # a run is named after the recipe it was started from, not its base

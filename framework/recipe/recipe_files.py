@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional
 
 import yaml
 
@@ -15,6 +15,40 @@ from shardlight.errors import ShardlightError
 # The recipes ship inside the package (shardlight.recipes), so this is right for a wheel and a checkout alike.
 RECIPES_DIR = Path(shardlight.recipes.__file__).resolve().parent
 DEFAULT_RECIPE = RECIPES_DIR / "tiny-llama-sft.yaml"
+
+
+def shipped_names() -> List[str]:
+    """The shipped recipes' names (file stems), sorted."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def shipped_recipe(name: str) -> Optional[Path]:
+    """The shipped recipe ``name`` (with or without ``.yaml``; ``recipes/NAME`` as the repo spells it means the
+    same), or None."""
+    named = Path(name)
+    if len(named.parts) == 2 and named.parts[0] == "recipes":
+        named = Path(named.parts[1])
+    if len(named.parts) != 1:
+        return None
+    for candidate in (named.name, named.name + ".yaml"):
+        path = RECIPES_DIR / candidate
+        if candidate.endswith(".yaml") and path.is_file():
+            return path
+    return None
+
+
+def resolve_recipe(name: str) -> Path:
+    """A recipe argument → its file: the file the user names (or ``NAME.yaml``) when it exists, since a user's
+    file always wins, else the shipped recipe of that name; one error listing the shipped names otherwise."""
+    path = Path(os.path.expanduser(name))
+    for local in (path, path.with_name(path.name + ".yaml")):
+        if local.is_file():
+            return local
+    shipped = shipped_recipe(name)
+    if shipped is not None:
+        return shipped
+    raise ShardlightError(f"recipe file not found: {path.resolve()}, and no shipped recipe is named "
+                          f"'{path.stem}'; shipped recipes: {', '.join(shipped_names())} (`shardlight recipes`)")
 
 
 def load_yaml(path: Path) -> dict:
