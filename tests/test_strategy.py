@@ -1,6 +1,9 @@
 """The FSDP strategy on real gloo ranks: every sharding strategy × FSDP1/FSDP2 against a single-process
 reference, no_sync accumulation (equal results, fewer reduce-scatters), activation checkpointing, and the
-Accelerate vocabulary (plugin parsing, `accelerate config` import, bad input)."""
+Accelerate vocabulary (plugin parsing, `accelerate config` import, bad input).
+
+Every run is a whole ``shardlight.train.train`` with its collectives and block forwards counted; the 2-rank
+runs share one process pair and the 4-rank ones one process tree (``conftest.gloo_fits``)."""
 
 import functools
 import json
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, forbid_training, run_cli, save_tiny_llama
+from conftest import REPO, forbid_training, gloo_fits, run_cli, save_tiny_llama
 from safetensors.torch import load_file
 
 from shardlight.cli.main import main
@@ -21,6 +24,7 @@ WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
 TRAIN_DATA = REPO / "recipes" / "data" / "tiny_sft_train.jsonl"
 STEPS, MICRO_BATCH, SEQ_LEN = 3, 2, 32
+CALLBACKS_OFF = ["callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,7 @@ def tiny_setup(tmp_path_factory):
     save_tiny_llama(root / "init")
     recipe = root / "tiny.yaml"
     recipe.write_text(textwrap.dedent(f"""
+        output_dir: {root / 'runs'}
         model: {{name_or_path: {root / 'init'}}}
         tokenizer: {{name_or_path: {TOKENIZER}}}
         data: {{train_files: [{TRAIN_DATA}], val_fraction: 0.0, seq_len: {SEQ_LEN}}}
@@ -42,29 +47,64 @@ def tiny_setup(tmp_path_factory):
     return root, recipe
 
 
-_RUNS = {}
+MATRIX = [
+    (version, strategy)
+    for version in (1, 2)
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+]
 
 
-def trained(recipe, out_dir, overrides):
-    """``run_worker``, once per recipe and overrides in this module: tests that only read a run share it (the
-    activation-checkpointing test's plain run is the matrix's FULL_SHARD run of the same FSDP version)."""
-    key = (str(recipe), tuple(overrides))
-    if key not in _RUNS:
-        _RUNS[key] = run_worker(recipe, out_dir, overrides)
-    return _RUNS[key]
+def matrix_overrides(version, strategy):
+    world = 4 if strategy == "HYBRID_SHARD" else 2
+    overrides = [f"fsdp.fsdp_version={version}", f"fsdp.sharding_strategy={strategy}", f"trainer.devices={world}"]
+    if strategy == "HYBRID_SHARD":
+        overrides.append("fsdp.mesh_shape=[2,2]")  # 2 replicas × 2-way shards on one host
+    return world, overrides
+
+
+def runs_of(world):
+    """Every whole run (``shardlight.train.train``, counted, its console kept) the tests below read, on
+    ``world`` ranks: {name: spec}."""
+    runs = {}
+    for version, strategy in MATRIX:
+        ranks, overrides = matrix_overrides(version, strategy)
+        if ranks == world:
+            runs[f"fsdp{version}-{strategy}"] = overrides
+    if world == 2:
+        for version in (1, 2):
+            base = [f"fsdp.fsdp_version={version}", "trainer.accumulate_grad_batches=4"]
+            runs[f"fsdp{version} no_sync"] = base
+            runs[f"fsdp{version} sync_each_batch"] = base + ["fsdp.sync_each_batch=true"]
+            runs[f"fsdp{version} activation checkpointing"] = [
+                f"fsdp.fsdp_version={version}", "fsdp.sharding_strategy=FULL_SHARD", "fsdp.activation_checkpointing=true"]
+        runs["bf16-mixed"] = ["trainer.precision=bf16-mixed"]
+    return {name: {"train": True, "counters": True, "capture": True,
+                   "overrides": [*CALLBACKS_OFF, *overrides, f"name={name.replace(' ', '-')}"]}
+            for name, overrides in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_setup, tmp_path_factory):
+    """Every 2-rank run of this module, in one process pair (``conftest.gloo_fits``): 13 fits."""
+    return gloo_fits(tiny_setup[1], 2, runs_of(2), tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tiny_setup, tmp_path_factory):
+    """HYBRID_SHARD on FSDP1 and FSDP2: 4 ranks, one process tree."""
+    return gloo_fits(tiny_setup[1], 4, runs_of(4), tmp_path_factory.mktemp("four_ranks"))
 
 
 def run_worker(recipe, out_dir, overrides):
-    """One instrumented Lightning fit in its own process tree; returns (summary, per-rank counts)."""
+    """One instrumented ``shardlight train`` in its own process tree (Lightning launches the ranks); returns
+    (summary, per-rank counts, console)."""
     env = dict(os.environ, SHARDLIGHT_COUNTS_DIR=str(out_dir / "counts"), PYTHONPATH=str(REPO))
     env.pop("LOCAL_RANK", None)
     env.pop("SHARDLIGHT_RUN_DIR", None)
     summary = out_dir / "summary.json"
-    callbacks_off = ["callbacks.comm.enabled=false", "callbacks.memory.enabled=false",
-                     "callbacks.throughput.enabled=false"]
     result = subprocess.run(
         [sys.executable, str(WORKER), "train", str(recipe), f"output_dir={out_dir}", "--summary-json",
-         str(summary), *callbacks_off, *overrides],
+         str(summary), *CALLBACKS_OFF, *overrides],
         env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -120,24 +160,15 @@ def assert_weights_close(actual, expected, atol=2e-5):
     assert worst <= atol, f"max |diff| {worst:.3g}"
 
 
-MATRIX = [
-    (version, strategy)
-    for version in (1, 2)
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("version,strategy", MATRIX, ids=[f"fsdp{v}-{s}" for v, s in MATRIX])
-def test_sharded_training_matches_single_process(tiny_setup, tmp_path, version, strategy):
+def test_sharded_training_matches_single_process(tiny_setup, request, version, strategy):
     root, recipe = tiny_setup
-    world = 4 if strategy == "HYBRID_SHARD" else 2
-    overrides = [f"fsdp.fsdp_version={version}", f"fsdp.sharding_strategy={strategy}", f"trainer.devices={world}"]
-    if strategy == "HYBRID_SHARD":
-        overrides.append("fsdp.mesh_shape=[2,2]")  # 2 replicas × 2-way shards on one host
-    summary, counts, output = trained(recipe, tmp_path, overrides)
+    world, _ = matrix_overrides(version, strategy)
+    run = request.getfixturevalue("four_ranks" if world == 4 else "two_ranks")[f"fsdp{version}-{strategy}"]
+    summary, counts = run["summary"], run["counts"]
     assert summary["steps"] == STEPS and summary["world_size"] == world
-    assert f"FSDP {strategy}: 3 units on {world} ranks" in output
+    assert f"FSDP {strategy}: 3 units on {world} ranks" in run["output"]
     assert_weights_close(final_weights(summary), reference_weights(recipe, world))
     assert len(counts) == world
     if strategy != "NO_SHARD":
@@ -146,33 +177,28 @@ def test_sharded_training_matches_single_process(tiny_setup, tmp_path, version, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
-def test_no_sync_accumulation_skips_reduce_scatter_and_matches(tiny_setup, tmp_path, version):
+def test_no_sync_accumulation_skips_reduce_scatter_and_matches(tiny_setup, two_ranks, version):
     root, recipe = tiny_setup
-    base = [f"fsdp.fsdp_version={version}", "trainer.accumulate_grad_batches=4"]
-    skipped, skipped_counts, _ = run_worker(recipe, tmp_path / "no_sync", base)
-    synced, synced_counts, _ = run_worker(recipe, tmp_path / "sync", base + ["fsdp.sync_each_batch=true"])
+    skipped, synced = two_ranks[f"fsdp{version} no_sync"], two_ranks[f"fsdp{version} sync_each_batch"]
     units = 3
     # one reduce-scatter per unit per optimizer step vs one per unit per micro-batch
-    assert all(c["reduce_scatter"] == units * STEPS for c in skipped_counts), skipped_counts
-    assert all(c["reduce_scatter"] == units * STEPS * 4 for c in synced_counts), synced_counts
-    assert_weights_close(final_weights(skipped), final_weights(synced))
-    assert_weights_close(final_weights(skipped), reference_weights(recipe, 2, accumulate=4))
+    assert all(c["reduce_scatter"] == units * STEPS for c in skipped["counts"]), skipped["counts"]
+    assert all(c["reduce_scatter"] == units * STEPS * 4 for c in synced["counts"]), synced["counts"]
+    assert_weights_close(final_weights(skipped["summary"]), final_weights(synced["summary"]))
+    assert_weights_close(final_weights(skipped["summary"]), reference_weights(recipe, 2, accumulate=4))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
-def test_activation_checkpointing_recomputes_each_block(tiny_setup, tmp_path, version):
-    root, recipe = tiny_setup
-    base = [f"fsdp.fsdp_version={version}", "fsdp.sharding_strategy=FULL_SHARD", "trainer.devices=2"]
-    plain, plain_counts, _ = trained(recipe, tmp_path / "plain", base)
-    ckpt, ckpt_counts, _ = run_worker(recipe, tmp_path / "ckpt", base + ["fsdp.activation_checkpointing=true"])
+def test_activation_checkpointing_recomputes_each_block(two_ranks, version):
+    plain, ckpt = two_ranks[f"fsdp{version}-FULL_SHARD"], two_ranks[f"fsdp{version} activation checkpointing"]
     layers = 2
     # One extra forward per rank: the export check's reference logits (the export is verified tensor by
     # tensor, no reload).
     extra = [1, 1]
-    assert [c["block_forward"] for c in plain_counts] == [layers * (STEPS + e) for e in extra], plain_counts
-    assert [c["block_forward"] for c in ckpt_counts] == [layers * (2 * STEPS + e) for e in extra], ckpt_counts
-    assert_weights_close(final_weights(ckpt), final_weights(plain), atol=1e-6)
+    assert [c["block_forward"] for c in plain["counts"]] == [layers * (STEPS + e) for e in extra], plain["counts"]
+    assert [c["block_forward"] for c in ckpt["counts"]] == [layers * (2 * STEPS + e) for e in extra], ckpt["counts"]
+    assert_weights_close(final_weights(ckpt["summary"]), final_weights(plain["summary"]), atol=1e-6)
 
 
 ACCELERATE_YAML = """\
@@ -282,9 +308,8 @@ def test_bad_accelerate_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_autocasts_on_cpu(tiny_setup, tmp_path):
-    root, recipe = tiny_setup
+def test_bf16_mixed_autocasts_on_cpu(two_ranks):
+    run = two_ranks["bf16-mixed"]
     # Lightning's stock plugin autocasts on CUDA even on CPU (and warns); here it autocasts on the CPU.
-    mixed, _, output = run_worker(recipe, tmp_path / "bf16", ["trainer.precision=bf16-mixed"])
-    assert mixed["steps"] == STEPS
-    assert "CUDA is not available" not in output and "device_type of 'cuda'" not in output
+    assert run["steps"] == STEPS
+    assert "CUDA is not available" not in run["output"] and "device_type of 'cuda'" not in run["output"]

@@ -15,8 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEFAULT_RECIPE, REPO, forbid_training, free_port, run_cli, save_tiny_llama
+from conftest import DEFAULT_RECIPE, REPO, forbid_training, free_port, gloo_fits, run_cli, save_tiny_llama
 from test_strategy import (
+    CALLBACKS_OFF,
     MICRO_BATCH,
     SEQ_LEN,
     STEPS,
@@ -25,7 +26,6 @@ from test_strategy import (
     assert_weights_close,
     final_weights,
     reference_weights,
-    run_worker,
 )
 
 from shardlight.cli.main import main
@@ -41,6 +41,7 @@ def tp_setup(tmp_path_factory):
     save_tiny_llama(root / "init")
     recipe = root / "tiny.yaml"
     recipe.write_text(textwrap.dedent(f"""
+        output_dir: {root / 'runs'}
         model: {{name_or_path: {root / 'init'}}}
         tokenizer: {{name_or_path: {TOKENIZER}}}
         data: {{train_files: [{TRAIN_DATA}], val_fraction: 0.0, seq_len: {SEQ_LEN}}}
@@ -59,12 +60,53 @@ def _wrap_line(output):
     return next(line for line in output.splitlines() if line.startswith("FSDP "))
 
 
+def _runs(runs, tp_setup):
+    """{name: overrides} → whole runs (``shardlight.train.train``), counted, their console kept."""
+    return {name: {"train": True, "counters": True, "capture": True,
+                   "overrides": [*CALLBACKS_OFF, *overrides, f"name={name.replace(' ', '-')}"]}
+            for name, overrides in runs.items()}
+
+
+def _step4(tp_setup):
+    """The 6-step run's step-4 checkpoint (every resume below starts there)."""
+    return tp_setup.parent / "runs" / "checkpointed" / "checkpoints" / "step-4"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tp_setup, tmp_path_factory):
+    """Every 2-rank run in one process pair (``conftest.gloo_fits``): tp 2 with activation checkpointing,
+    bf16-mixed, 6 steps checkpointed every 2, and the same resumed from its step 4."""
+    runs = {"act ckpt": ["fsdp.activation_checkpointing=true"],
+            "bf16": ["trainer.precision=bf16-mixed", "trainer.max_steps=2"],
+            "checkpointed": ["trainer.max_steps=6", "checkpoint.every_n_steps=2"],
+            "resumed": ["trainer.max_steps=6", f"resume={_step4(tp_setup)}"]}
+    return gloo_fits(tp_setup, 2, _runs(runs, tp_setup), tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tp_setup, two_ranks, tmp_path_factory):
+    """Every 4-rank run in one process tree: dp 2 x tp 2 accumulating, HSDP replicas x tp 2, and the 2-rank
+    checkpoint resumed on tp 4."""
+    runs = {"dp2 x tp2": [f"trainer.accumulate_grad_batches={2}"],
+            "hsdp x tp2": ["parallelism.dp_replicate_size=2"],
+            "resumed tp4": ["trainer.max_steps=6", f"resume={_step4(tp_setup)}", "parallelism.tp_size=4"]}
+    return gloo_fits(tp_setup, 4, _runs(runs, tp_setup), tmp_path_factory.mktemp("four_ranks"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tp_setup, two_ranks, tmp_path_factory):
+    """The 2-rank checkpoint resumed in one process without TP."""
+    runs = {"resumed alone": ["trainer.max_steps=6", f"resume={_step4(tp_setup)}", "parallelism.tp_size=1"]}
+    return gloo_fits(tp_setup, 1, _runs(runs, tp_setup), tmp_path_factory.mktemp("one_rank"))
+
+
 @pytest.mark.slow
-def test_tp2_on_two_ranks_matches_single_process_with_checkpointing(tp_setup, tmp_path):
+def test_tp2_on_two_ranks_matches_single_process_with_checkpointing(tp_setup, two_ranks):
     # Both ranks are one TP group: one data-parallel rank, so the reference is one process on one batch.
-    summary, counts, output = run_worker(tp_setup, tmp_path, ["fsdp.activation_checkpointing=true"])
+    run = two_ranks["act ckpt"]
+    summary, counts = run["summary"], run["counts"]
     assert summary["steps"] == STEPS and summary["world_size"] == 2
-    assert "mesh dp_replicate 1 x dp_shard 1 x tp 2" in _wrap_line(output)
+    assert "mesh dp_replicate 1 x dp_shard 1 x tp 2" in _wrap_line(run["output"])
     assert_weights_close(final_weights(summary), reference_weights(tp_setup, 1))
     # One data-parallel rank: the two TP ranks share each packed batch, so its tokens count once (its blocks
     # are more than half real tokens, so counting them twice would pass the whole blocks' size).
@@ -76,12 +118,12 @@ def test_tp2_on_two_ranks_matches_single_process_with_checkpointing(tp_setup, tm
 
 
 @pytest.mark.slow
-def test_dp2_x_tp2_on_four_ranks_accumulates_without_reduce_scatter_and_matches(tp_setup, tmp_path):
+def test_dp2_x_tp2_on_four_ranks_accumulates_without_reduce_scatter_and_matches(tp_setup, four_ranks):
     accumulate = 2
-    summary, counts, output = run_worker(
-        tp_setup, tmp_path, ["trainer.devices=4", f"trainer.accumulate_grad_batches={accumulate}"])
+    run = four_ranks["dp2 x tp2"]
+    summary, counts = run["summary"], run["counts"]
     assert summary["steps"] == STEPS and summary["world_size"] == 4
-    line = _wrap_line(output)
+    line = _wrap_line(run["output"])
     assert "mesh dp_replicate 1 x dp_shard 2 x tp 2" in line
     # Per rank: the decoder projections (2 x 10,240) quartered by TP and FSDP, the rest (embeddings, head,
     # norms: 32,800 + 2 x 64) halved by FSDP alone.
@@ -97,17 +139,17 @@ def test_dp2_x_tp2_on_four_ranks_accumulates_without_reduce_scatter_and_matches(
 
 
 @pytest.mark.slow
-def test_hsdp_replicas_x_tp2_on_four_ranks_matches(tp_setup, tmp_path):
-    summary, _, output = run_worker(tp_setup, tmp_path, ["trainer.devices=4", "parallelism.dp_replicate_size=2"])
-    assert "mesh dp_replicate 2 x dp_shard 1 x tp 2" in _wrap_line(output)
-    assert_weights_close(final_weights(summary), reference_weights(tp_setup, 2))
+def test_hsdp_replicas_x_tp2_on_four_ranks_matches(tp_setup, four_ranks):
+    run = four_ranks["hsdp x tp2"]
+    assert "mesh dp_replicate 2 x dp_shard 1 x tp 2" in _wrap_line(run["output"])
+    assert_weights_close(final_weights(run["summary"]), reference_weights(tp_setup, 2))
 
 
 @pytest.mark.slow
-def test_tp2_bf16_mixed_trains(tp_setup, tmp_path):
-    summary, _, output = run_worker(tp_setup, tmp_path, ["trainer.precision=bf16-mixed", "trainer.max_steps=2"])
-    assert summary["steps"] == 2
-    assert "device_type of 'cuda'" not in output
+def test_tp2_bf16_mixed_trains(two_ranks):
+    run = two_ranks["bf16"]
+    assert run["summary"]["steps"] == 2
+    assert "device_type of 'cuda'" not in run["output"]
 
 
 def _losses(run_dir):
@@ -117,26 +159,23 @@ def _losses(run_dir):
 
 
 @pytest.mark.slow
-def test_tp_checkpoint_exact_resume_reshard_to_no_tp_and_tp4_export_and_inspect(tp_setup, tmp_path):
-    full, _, _ = run_worker(tp_setup, tmp_path / "a", ["trainer.max_steps=6", "checkpoint.every_n_steps=2"])
-    reference, step4 = _losses(full["run_dir"]), Path(full["run_dir"]) / "checkpoints" / "step-4"
+def test_tp_checkpoint_exact_resume_reshard_to_no_tp_and_tp4_export_and_inspect(tp_setup, two_ranks, four_ranks,
+                                                                                 one_rank, tmp_path):
+    full = two_ranks["checkpointed"]["summary"]
+    reference, step4 = _losses(full["run_dir"]), _step4(tp_setup)
+    assert Path(full["run_dir"]) == step4.parents[1]
     meta = json.loads((step4 / "shardlight.json").read_text())
     assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
-    same, _, _ = run_worker(tp_setup, tmp_path / "b", ["trainer.max_steps=6", f"resume={step4}"])
     # One process without TP, and tp 4 on 4 ranks, read the same batches (one data-parallel rank every time):
     # the same losses.
-    alone, _, output = run_worker(tp_setup, tmp_path / "c", ["trainer.max_steps=6", f"resume={step4}",
-                                                             "trainer.devices=1", "parallelism.tp_size=1"])
-    assert f"resumed from {step4} at step 4" in output
-    wider, _, _ = run_worker(tp_setup, tmp_path / "d", ["trainer.max_steps=6", f"resume={step4}",
-                                                        "trainer.devices=4", "parallelism.tp_size=4"])
-    for resumed in (same, alone, wider):
-        got = _losses(resumed["run_dir"])
+    assert f"resumed from {step4} at step 4" in one_rank["resumed alone"]["output"]
+    resumed = [two_ranks["resumed"], one_rank["resumed alone"], four_ranks["resumed tp4"]]
+    for run in resumed:
+        got = _losses(run["summary"]["run_dir"])
         assert sorted(got) == [5, 6] and all(abs(got[s] - reference[s]) <= 1e-6 for s in (5, 6)), (got, reference)
-    assert_weights_close(final_weights(alone), final_weights(full))
+    assert_weights_close(final_weights(one_rank["resumed alone"]["summary"]), final_weights(full))
 
-    export = run_cli(["export", str(step4.parent / "step-6"), "--out", str(tmp_path / "hf")])
-    assert export.returncode == 0 and "OK" in export.stdout, export.stderr[-3000:]
+    assert main(["export", str(step4.parent / "step-6"), "--out", str(tmp_path / "hf")]) == 0
     assert_weights_close(final_weights({"model_dir": str(tmp_path / "hf")}), final_weights(full), atol=0)
     listing = run_cli(["inspect", str(step4)])
     assert listing.returncode == 0, listing.stderr

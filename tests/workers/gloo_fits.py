@@ -6,13 +6,19 @@ group and run the fits one after another, paying the start-up once for all of th
 A fit is ``Trainer.fit`` alone, or with ``"train": true`` the whole of ``shardlight.train.train`` (preflight,
 fit, final validation, export, checkpoints, summary), whose files the test reads from the run dir.
 
+Per run, ``"counters": true`` counts every rank's collectives and decoder-block forwards
+(``workers/instrumented_train.py``'s wrappers, reset per fit) and ``"capture": true`` keeps every rank's console
+(stdout and stderr at the file-descriptor level, warnings shown as a user sees them; other runs ignore warnings).
+
 Usage: python gloo_fits.py SPEC.json OUT_DIR.
-SPEC: {"runs": {name: {"recipe": path, "overrides": [...], "train": bool}}}.
+SPEC: {"runs": {name: {"recipe": path, "overrides": [...], "train": bool, "counters": bool, "capture": bool}}}.
 OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor}, "steps": n}; with ``train``
 instead of "weights": "tied_live" (the input and output embeddings one parameter in the live model after the
-export) and "summary" (train's).
+export) and "summary" (train's); with ``counters`` "counts" (one dict per rank); with ``capture`` "output"
+(every rank's console, rank 0's first).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -23,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: workers.instrumented_train
 
 
 class FirstStepGradients(pl.Callback):
@@ -109,13 +116,56 @@ def train_run(recipe: str, overrides, rank: int):
             "steps": summary["steps"]}
 
 
+@contextlib.contextmanager
+def console_to(path: Path):
+    """This process's stdout and stderr (file descriptors 1 and 2, so native output too) into ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def run_one(run, rank: int, log: Path):
+    counters = None
+    if run.get("counters"):
+        import workers.instrumented_train as counters  # wraps the collectives and block forwards once
+
+        counters.COUNTS.update(dict.fromkeys(counters.COUNTS, 0))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        if run.get("capture"):
+            stack.enter_context(console_to(log))
+        else:
+            warnings.simplefilter("ignore")
+        result = (train_run if run.get("train") else fit)(run["recipe"], run["overrides"], rank)
+    if counters is not None:
+        from shardlight.collectives import all_gather_objects
+
+        result["counts"] = all_gather_objects(dict(counters.COUNTS))
+    if run.get("capture"):
+        torch.distributed.barrier()
+        logs = sorted(log.parent.glob(f"{log.stem.rsplit('.', 1)[0]}.rank*.log"))
+        result["output"] = "".join(p.read_text() for p in logs)
+    return result
+
+
 def main(spec_path: str, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_dir)
-    for name, run in spec["runs"].items():
-        result = (train_run if run.get("train") else fit)(run["recipe"], run["overrides"], rank)
+    for index, (name, run) in enumerate(spec["runs"].items()):
+        result = run_one(run, rank, out / f"run{index}.rank{rank}.log")
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
 
