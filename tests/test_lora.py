@@ -7,20 +7,16 @@ Spawned runs are few and each checks several things (the file must stay fast on 
 
 import csv
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, forbid_training, run_cli, save_tiny_llama
+from conftest import REPO, forbid_training, gloo_fits, save_tiny_llama
 from safetensors.torch import load_file
 
 from shardlight.cli.main import main
 
-WORKER = REPO / "tests" / "workers" / "lora_train.py"
 TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
 TRAIN_DATA = REPO / "recipes" / "data" / "tiny_sft_train.jsonl"
 STEPS, ACCUMULATE = 4, 2
@@ -36,6 +32,7 @@ def lora_setup(tmp_path_factory):
     save_tiny_llama(root / "init")
     recipe = root / "lora.yaml"
     recipe.write_text(textwrap.dedent(f"""
+        output_dir: {root / 'runs'}
         model: {{name_or_path: {root / 'init'}}}
         tokenizer: {{name_or_path: {TOKENIZER}}}
         data: {{train_files: [{TRAIN_DATA}], val_fraction: 0.0, seq_len: 32}}
@@ -51,18 +48,33 @@ def lora_setup(tmp_path_factory):
     return root, recipe
 
 
-def run_worker(recipe, out_dir, *overrides):
-    env = dict(os.environ, SHARDLIGHT_COUNTS_DIR=str(out_dir / "counts"), PYTHONPATH=str(REPO),
-               SHARDLIGHT_FULL_STATE=str(out_dir / "full_state.safetensors"))
-    env.pop("LOCAL_RANK", None)
-    env.pop("SHARDLIGHT_RUN_DIR", None)
-    summary = out_dir / "summary.json"
-    result = subprocess.run(
-        [sys.executable, str(WORKER), "train", str(recipe), f"output_dir={out_dir}", "--summary-json", str(summary),
-         *FAST, *overrides], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
-    counts = [json.loads(p.read_text()) for p in sorted((out_dir / "counts").glob("rank*.json"))]
-    return json.loads(summary.read_text()), counts, result.stdout + result.stderr
+def lora_runs(recipe, root):
+    """Every run of this module, in one process pair (``conftest.gloo_fits``), counted, their console and full
+    state kept: FSDP1 with activation checkpointing (a checkpoint every 2 steps), the same resumed from its step
+    2, FSDP2 with the memory callback every step, and the shipped LoRA recipe under bf16-mixed."""
+    runs = {
+        "fsdp1": (recipe, ["fsdp.activation_checkpointing=true"]),
+        "resumed": (recipe, ["fsdp.activation_checkpointing=true", f"resume={fsdp1_step2(root)}"]),
+        "fsdp2": (recipe, ["fsdp.fsdp_version=2", "callbacks.memory.every_n_steps=1"]),
+        "bf16 shipped": (REPO / "recipes" / "tiny-llama-lora.yaml", [
+            "trainer.precision=bf16-mixed", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+            "trainer.limit_val_batches=0", "trainer.progress_bar=false", "trainer.micro_batch_size=2",
+            "data.seq_len=64", "fsdp.fsdp_version=2", "fsdp.activation_checkpointing=true",
+            "callbacks.memory.enabled=false", f"output_dir={root / 'runs'}"]),
+    }
+    return {name: {"recipe": str(path), "train": True, "counters": True, "capture": True, "full_state": True,
+                   "overrides": [*FAST, *overrides, f"name={name.replace(' ', '-')}"]}
+            for name, (path, overrides) in runs.items()}
+
+
+def fsdp1_step2(root):
+    return root / "runs" / "fsdp1" / "checkpoints" / "step-2"
+
+
+@pytest.fixture(scope="module")
+def runs(lora_setup, tmp_path_factory):
+    root, recipe = lora_setup
+    return gloo_fits(recipe, 2, lora_runs(recipe, root), tmp_path_factory.mktemp("lora_runs"))
 
 
 def step_metrics(run_dir, key):
@@ -79,9 +91,9 @@ def reference_adapters(recipe):
     return {k: v for k, v in weights.items() if LORA_KEY in k or "modules_to_save" in k}
 
 
-def check_against_reference(summary, out_dir, reference, init):
-    full = load_file(str(out_dir / "full_state.safetensors"))
-    full = {k[len("model."):]: v for k, v in full.items()}
+def check_against_reference(run, reference, init):
+    summary = run["summary"]
+    full = {k[len("model."):]: v for k, v in run["weights"].items()}
     for name, expected in reference.items():
         assert torch.allclose(full[name], expected, atol=2e-5, rtol=0), (name, float((full[name] - expected).abs().max()))
     frozen = {k: v for k, v in full.items() if LORA_KEY not in k and "modules_to_save" not in k}
@@ -101,20 +113,11 @@ def base_weights(lora_setup):
     return load_file(str(lora_setup[0] / "init" / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def fsdp1_run(lora_setup, tmp_path_factory):
-    """FSDP1 (use_orig_params), gradient accumulation without per-micro-batch reduce-scatters, activation
-    checkpointing; a checkpoint every 2 steps."""
-    _, recipe = lora_setup
-    out = tmp_path_factory.mktemp("fsdp1")
-    summary, counts, output = run_worker(recipe, out, "fsdp.activation_checkpointing=true")
-    return out, summary, counts, output
-
-
 @pytest.mark.slow
-def test_fsdp1_lora_matches_reference_and_checkpoints_reference_the_base(lora_setup, fsdp1_run, base_weights):
+def test_fsdp1_lora_matches_reference_and_checkpoints_reference_the_base(lora_setup, runs, base_weights, tmp_path):
     root, recipe = lora_setup
-    out, summary, counts, output = fsdp1_run
+    out, run = tmp_path, runs["fsdp1"]
+    summary, counts, output = run["summary"], run["counts"], run["output"]
     assert summary["steps"] == STEPS
     assert "FSDP FULL_SHARD: 3 units on 2 ranks (LlamaDecoderLayer)" in output
     assert "trainable 17,408 of " in output  # 2 blocks x (q, v) x r 4 x (32 + 32) + the 512 x 32 head copy
@@ -123,31 +126,29 @@ def test_fsdp1_lora_matches_reference_and_checkpoints_reference_the_base(lora_se
     wrap = json.loads((Path(summary["run_dir"]) / "wrap_report.json").read_text())
     assert wrap["trainable_per_unit"] == {"min": 512, "median": 512, "max": 512}
     assert wrap["root_trainable_params"] == 512 * 32
-    check_against_reference(summary, out, reference_adapters(recipe), base_weights)
+    check_against_reference(run, reference_adapters(recipe), base_weights)
 
     # The checkpoint holds the trainable weights and their optimizer state only; the base is referenced.
     step = Path(summary["checkpoint"])
     meta = json.loads((step / "shardlight.json").read_text())
     assert meta["peft"] == {"method": "lora", "base_model": str(root / "init"), "base_in_checkpoint": False}
-    listing = run_cli(["inspect", str(step), "--json", str(out / "inspect.json")])
-    assert listing.returncode == 0, listing.stderr[-2000:]
+    assert main(["inspect", str(step), "--json", str(out / "inspect.json")]) == 0
     names = [e["name"] for e in json.loads((out / "inspect.json").read_text())["entries"]]
     assert names and all(LORA_KEY in n or "modules_to_save" in n for n in names), names
     assert (step / "hf" / "adapter_config.json").is_file()
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_run, tmp_path):
+def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, runs, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     root, recipe = lora_setup
-    out, summary, _, _ = fsdp1_run
+    summary, resumed = runs["fsdp1"]["summary"], runs["resumed"]["summary"]
     reference = step_metrics(summary["run_dir"], "train/loss")
     step2 = Path(summary["run_dir"]) / "checkpoints" / "step-2"
-    resumed, _, output = run_worker(recipe, tmp_path / "resumed", "fsdp.activation_checkpointing=true",
-                                    f"resume={step2}")
-    assert f"resumed from {step2} at step 2" in output
+    assert step2 == fsdp1_step2(root)
+    assert f"resumed from {step2} at step 2" in runs["resumed"]["output"]
     again = step_metrics(resumed["run_dir"], "train/loss")
     assert sorted(again) == [3, 4]
     for step in (3, 4):
@@ -156,9 +157,10 @@ def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_r
     # --merge: every wrapped layer merged by peft's own merge on that layer alone, one output file (of at most
     # 40 kB here: several) at a time; the result is merge_and_unload's, bit for bit.
     export = tmp_path / "export"
-    result = run_cli(["export", summary["checkpoint"], "--out", str(export), "--merge", "--max-shard-size", "40000"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "adapter/ (1 file(s)), merged/ (" in result.stdout and "max |diff| = 0: OK" in result.stdout, result.stdout
+    capsys.readouterr()
+    assert main(["export", summary["checkpoint"], "--out", str(export), "--merge", "--max-shard-size", "40000"]) == 0
+    stdout = capsys.readouterr().out
+    assert "adapter/ (1 file(s)), merged/ (" in stdout and "max |diff| = 0: OK" in stdout, stdout
     report = json.loads((export / "export_report.json").read_text())
     assert report["max_abs_diff"] == 0.0 and report["ok"] and report["files"]["merged"] > 2, report
     assert not (export / "base").exists()  # the pretrained base is referenced, not copied
@@ -179,8 +181,9 @@ def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_r
     # Without --merge the base is never loaded: the checkpoint's trainable weights are the adapter, the same
     # tensors as the live export's.
     alone = tmp_path / "alone"
-    result = run_cli(["export", summary["checkpoint"], "--out", str(alone)])
-    assert result.returncode == 0 and "adapter/ (1 file(s));" in result.stdout and ": OK" in result.stdout, result.stdout
+    assert main(["export", summary["checkpoint"], "--out", str(alone)]) == 0
+    stdout = capsys.readouterr().out
+    assert "adapter/ (1 file(s));" in stdout and ": OK" in stdout, stdout
     written = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
     live_file = load_file(str(Path(summary["model_dir"]) / "adapter_model.safetensors"))
     assert written.keys() == live_file.keys() and all(torch.equal(written[k], live_file[k]) for k in written)
@@ -188,11 +191,12 @@ def test_resume_equals_uninterrupted_and_both_exports_reload(lora_setup, fsdp1_r
 
 
 @pytest.mark.slow
-def test_fsdp2_lora_matches_reference_and_holds_only_trainable_state(lora_setup, tmp_path, base_weights):
+def test_fsdp2_lora_matches_reference_and_holds_only_trainable_state(lora_setup, runs, base_weights):
     _, recipe = lora_setup
-    summary, counts, output = run_worker(recipe, tmp_path, "fsdp.fsdp_version=2", "callbacks.memory.every_n_steps=1")
+    run = runs["fsdp2"]
+    summary, counts = run["summary"], run["counts"]
     assert all(c["reduce_scatter"] == 3 * STEPS for c in counts), counts
-    check_against_reference(summary, tmp_path, reference_adapters(recipe), base_weights)
+    check_against_reference(run, reference_adapters(recipe), base_weights)
     # The memory callback measures p.grad and optimizer-state storages: under FSDP2 those are the trainable
     # shards only (17,408 fp32 values over 2 ranks; AdamW's two moments), well below the weights.
     grads, optim, params = (step_metrics(summary["run_dir"], f"memory/{k}_gb") for k in ("grads", "optim", "params"))
@@ -202,15 +206,12 @@ def test_fsdp2_lora_matches_reference_and_holds_only_trainable_state(lora_setup,
 
 
 @pytest.mark.slow
-def test_bf16_mixed_lora_on_the_shipped_recipe(tmp_path):
+def test_bf16_mixed_lora_on_the_shipped_recipe(runs, tmp_path, capsys):
     """The shipped recipe (inline base, so its checkpoints hold the frozen base too) under bf16-mixed."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    summary, _, _ = run_worker(REPO / "recipes" / "tiny-llama-lora.yaml", tmp_path, "trainer.precision=bf16-mixed",
-                               "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "trainer.progress_bar=false",
-                               "trainer.micro_batch_size=2", "data.seq_len=64", "fsdp.fsdp_version=2",
-                               "fsdp.activation_checkpointing=true", "callbacks.memory.enabled=false")
+    summary = runs["bf16 shipped"]["summary"]
     assert summary["steps"] == 2 and summary["export_max_abs_diff"] is not None
     meta = json.loads((Path(summary["checkpoint"]) / "shardlight.json").read_text())
     assert meta["peft"]["base_in_checkpoint"] is True and meta["peft"]["base_model"] is None
@@ -222,9 +223,10 @@ def test_bf16_mixed_lora_on_the_shipped_recipe(tmp_path):
     adapter_config = json.loads((live / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((live / "base").resolve())
     export = tmp_path / "export"
-    result = run_cli(["export", summary["checkpoint"], "--out", str(export), "--merge"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "adapter/ (1 file(s)), base/ (1 file(s)), merged/ (1 file(s))" in result.stdout, result.stdout
+    capsys.readouterr()
+    assert main(["export", summary["checkpoint"], "--out", str(export), "--merge"]) == 0
+    stdout = capsys.readouterr().out
+    assert "adapter/ (1 file(s)), base/ (1 file(s)), merged/ (1 file(s))" in stdout, stdout
     base_file = load_file(str(export / "base" / "model.safetensors"))
     live_file = load_file(str(live / "base" / "model.safetensors"))
     assert base_file.keys() == live_file.keys() and all(torch.equal(base_file[k], live_file[k]) for k in base_file)

@@ -11,10 +11,11 @@ Per run, ``"counters": true`` counts every rank's collectives and decoder-block 
 (stdout and stderr at the file-descriptor level, warnings shown as a user sees them; other runs ignore warnings).
 
 Usage: python gloo_fits.py SPEC.json OUT_DIR.
-SPEC: {"runs": {name: {"recipe": path, "overrides": [...], "train": bool, "counters": bool, "capture": bool}}}.
+SPEC: {"runs": {name: {"recipe": path, "overrides": [...], "train": bool, "counters": bool, "capture": bool,
+"full_state": bool}}}.
 OUT_DIR/NAME.pt (rank 0): {"grads": {param: tensor}, "weights": {param: tensor}, "steps": n}; with ``train``
-instead of "weights": "tied_live" (the input and output embeddings one parameter in the live model after the
-export) and "summary" (train's); with ``counters`` "counts" (one dict per rank); with ``capture`` "output"
+"tied_live" (the input and output embeddings one parameter in the live model after the export), "summary"
+(train's) and "weights" (the full state dict with ``full_state``, else None); with ``counters`` "counts" (one dict per rank); with ``capture`` "output"
 (every rank's console, rank 0's first).
 """
 
@@ -86,12 +87,16 @@ def fit(recipe: str, overrides, rank: int):
 
 
 class TieProbe:
-    """A ``train`` instrument: the first step's gradients, and whether the live model still ties its input and
-    output embeddings once the run is over (the same parameter object, as ``tie_weights`` made it)."""
+    """A ``train`` instrument: the first step's gradients, whether the live model still ties its input and
+    output embeddings once the run is over (the same parameter object, as ``tie_weights`` made it), and with
+    ``full_state`` the trained model's full state dict (rank 0; gathered after the export, with no step
+    between)."""
 
-    def __init__(self) -> None:
+    def __init__(self, full_state: bool = False) -> None:
         self.capture = FirstStepGradients()
         self.tied_live = None
+        self.full_state = full_state
+        self.weights = None
 
     def callbacks(self, cfg, ctx):
         return [self.capture]
@@ -99,10 +104,12 @@ class TieProbe:
     def after_fit(self, trainer, module, cfg, run_dir):
         model = module.model
         self.tied_live = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        if self.full_state:  # every rank: a collective
+            self.weights = {k: v.detach().clone() for k, v in trainer.strategy.full_state_dict().items()}
         return {}
 
 
-def train_run(recipe: str, overrides, rank: int):
+def train_run(recipe: str, overrides, rank: int, full_state: bool = False):
     from shardlight.recipe import load_recipe
     from shardlight.run_context import RunContext
     from shardlight.train import train
@@ -110,10 +117,10 @@ def train_run(recipe: str, overrides, rank: int):
     cfg = load_recipe(recipe, overrides)
     # The resume decision (cfg.resume) is train's, on every rank alike.
     ctx = RunContext(launcher="lightning", rank=rank, launched=True, run_dir=Path(cfg.output_dir) / cfg.name)
-    probe = TieProbe()
+    probe = TieProbe(full_state)
     summary = train(ctx, cfg, instruments=[probe])
     return {"grads": probe.capture.grads, "tied_live": probe.tied_live, "summary": summary,
-            "steps": summary["steps"]}
+            "steps": summary["steps"], "weights": probe.weights}
 
 
 @contextlib.contextmanager
@@ -148,7 +155,10 @@ def run_one(run, rank: int, log: Path):
             stack.enter_context(console_to(log))
         else:
             warnings.simplefilter("ignore")
-        result = (train_run if run.get("train") else fit)(run["recipe"], run["overrides"], rank)
+        if run.get("train"):
+            result = train_run(run["recipe"], run["overrides"], rank, full_state=run.get("full_state", False))
+        else:
+            result = fit(run["recipe"], run["overrides"], rank)
     if counters is not None:
         from shardlight.collectives import all_gather_objects
 
