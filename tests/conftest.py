@@ -129,3 +129,27 @@ def gloo_fits(recipe, world, runs, out, timeout=600):
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in runs}
+
+
+# --- the FSDP strategy's runs (tests/strategy_runs.py), shared by test_strategy, test_chunked_loss and
+# test_compile_and_checkpointing: each world size's runs once per session, in one process group ---------------
+
+@pytest.fixture(scope="session")
+def strategy_setup(tmp_path_factory):
+    from strategy_runs import write_setup
+
+    return write_setup(tmp_path_factory.mktemp("strategy"))
+
+
+@pytest.fixture(scope="session")
+def strategy_two_ranks(strategy_setup, tmp_path_factory):
+    from strategy_runs import runs_of
+
+    return gloo_fits(strategy_setup[1], 2, runs_of(2), tmp_path_factory.mktemp("strategy_two_ranks"))
+
+
+@pytest.fixture(scope="session")
+def strategy_four_ranks(strategy_setup, tmp_path_factory):
+    from strategy_runs import runs_of
+
+    return gloo_fits(strategy_setup[1], 4, runs_of(4), tmp_path_factory.mktemp("strategy_four_ranks"))

@@ -7,14 +7,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEFAULT_RECIPE
-from test_strategy import (
-    STEPS,
-    assert_weights_close,
-    final_weights,
-    reference_weights,
-    run_worker,
-    tiny_setup,  # noqa: F401 - the fixture
-)
+from strategy_runs import STEPS, assert_weights_close, final_weights, reference_weights
 
 from shardlight.lm_loss import IGNORE_INDEX, loss_sum
 
@@ -98,12 +91,12 @@ def test_models_the_chunked_loss_would_get_wrong_are_refused():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
-def test_chunked_loss_trains_as_the_whole_loss_on_fsdp(tiny_setup, tmp_path, version):  # noqa: F811
+def test_chunked_loss_trains_as_the_whole_loss_on_fsdp(strategy_setup, strategy_two_ranks, version):
     """2 gloo ranks, FULL_SHARD: the output projection sits in the root unit, whose parameters FSDP gathers for
     the model's forward and again for the pieces' recomputation in backward; the weights after training equal
-    the single-process reference computed with the whole loss."""
-    _, recipe = tiny_setup
-    summary, _, _ = run_worker(recipe, tmp_path, [f"fsdp.fsdp_version={version}", "trainer.loss_chunks=3"])
+    the single-process reference computed with the whole loss (the run is one of tests/strategy_runs.py's)."""
+    _, recipe = strategy_setup
+    summary = strategy_two_ranks[f"fsdp{version} loss_chunks 3"]["summary"]
     assert summary["steps"] == STEPS
     assert_weights_close(final_weights(summary), reference_weights(recipe, 2))
 

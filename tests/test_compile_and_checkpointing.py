@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEFAULT_RECIPE, run_cli
-from test_strategy import (
-    assert_weights_close,
-    final_weights,
-    reference_weights,
-    run_worker,
-    tiny_setup,  # noqa: F401 - the fixture
-)
+from strategy_runs import assert_weights_close, final_weights, reference_weights
 
 from shardlight.strategy.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
 
@@ -155,18 +149,13 @@ def test_compile_without_a_cpp_compiler_is_one_line_before_spawn(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version,overrides", [
-    (1, ["fsdp.activation_checkpointing_mode=selective"]),
-    (2, ["fsdp.activation_checkpointing_mode=selective", "fsdp.activation_checkpointing_every=2",
-         "fsdp.activation_checkpointing_offload=true"]),
-])
-def test_checkpointing_choices_train_as_the_reference_on_fsdp(tiny_setup, tmp_path, version,  # noqa: F811
-                                                              overrides):
+@pytest.mark.parametrize("version", [1, 2])
+def test_checkpointing_choices_train_as_the_reference_on_fsdp(strategy_setup, strategy_two_ranks, version):
     """2 gloo ranks, FULL_SHARD: the checkpoint wrappers sit inside FSDP1's units and are FSDP2's units; the
-    weights after training equal the single-process reference without checkpointing."""
-    _, recipe = tiny_setup
-    summary, _, _ = run_worker(recipe, tmp_path, [f"fsdp.fsdp_version={version}",
-                                                  "fsdp.activation_checkpointing=true", *overrides])
+    weights after training equal the single-process reference without checkpointing (FSDP1: selective; FSDP2:
+    selective, every 2nd block, offloaded: tests/strategy_runs.py's ``CHECKPOINTING_CHOICES``)."""
+    _, recipe = strategy_setup
+    summary = strategy_two_ranks[f"fsdp{version} checkpointing choices"]["summary"]
     assert_weights_close(final_weights(summary), reference_weights(recipe, 2))
 
 

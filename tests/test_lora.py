@@ -85,7 +85,7 @@ def step_metrics(run_dir, key):
 def reference_adapters(recipe):
     """The same steps in one process on the same global batch with the same peft model (test_strategy's
     reference: mean over ranks and micro-batches, global-norm clipping, AdamW on the trainable groups)."""
-    from test_strategy import reference_weights
+    from strategy_runs import reference_weights
 
     weights = reference_weights(recipe, 2, accumulate=ACCUMULATE)
     return {k: v for k, v in weights.items() if LORA_KEY in k or "modules_to_save" in k}

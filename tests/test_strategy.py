@@ -2,170 +2,26 @@
 reference, no_sync accumulation (equal results, fewer reduce-scatters), activation checkpointing, and the
 Accelerate vocabulary (plugin parsing, `accelerate config` import, bad input).
 
-Every run is a whole ``shardlight.train.train`` with its collectives and block forwards counted; the 2-rank
-runs share one process pair and the 4-rank ones one process tree (``conftest.gloo_fits``)."""
+Every run is a whole ``shardlight.train.train`` with its collectives and block forwards counted
+(tests/strategy_runs.py); the 2-rank runs share one process pair and the 4-rank ones one process tree, with
+test_chunked_loss's and test_compile_and_checkpointing's runs on the same model (conftest's
+``strategy_two_ranks``, ``strategy_four_ranks``)."""
 
-import functools
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO, forbid_training, gloo_fits, run_cli, save_tiny_llama
-from safetensors.torch import load_file
+from conftest import forbid_training, run_cli
+from strategy_runs import MATRIX, STEPS, assert_weights_close, final_weights, matrix_overrides, reference_weights
 
 from shardlight.cli.main import main
-
-WORKER = REPO / "tests" / "workers" / "instrumented_train.py"
-TOKENIZER = REPO / "recipes" / "assets" / "tiny-tokenizer"
-TRAIN_DATA = REPO / "recipes" / "data" / "tiny_sft_train.jsonl"
-STEPS, MICRO_BATCH, SEQ_LEN = 3, 2, 32
-CALLBACKS_OFF = ["callbacks.comm.enabled=false", "callbacks.memory.enabled=false", "callbacks.throughput.enabled=false"]
-
-
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
-    """A saved tiny Llama (so every run and the reference start from the same weights) and its recipe."""
-    root = tmp_path_factory.mktemp("strategy")
-    save_tiny_llama(root / "init")
-    recipe = root / "tiny.yaml"
-    recipe.write_text(textwrap.dedent(f"""
-        output_dir: {root / 'runs'}
-        model: {{name_or_path: {root / 'init'}}}
-        tokenizer: {{name_or_path: {TOKENIZER}}}
-        data: {{train_files: [{TRAIN_DATA}], val_fraction: 0.0, seq_len: {SEQ_LEN}}}
-        optim: {{lr: 1.0e-3, warmup_steps: 1, weight_decay: 0.1}}
-        trainer: {{max_steps: {STEPS}, micro_batch_size: {MICRO_BATCH}, accelerator: cpu, devices: 2,
-                   limit_val_batches: 0, progress_bar: false, log_every_n_steps: 1, num_threads: 1}}
-        logging: {{wandb: {{enabled: false}}}}
-        fsdp: {{transformer_cls_names_to_wrap: [LlamaDecoderLayer]}}
-    """))
-    return root, recipe
-
-
-MATRIX = [
-    (version, strategy)
-    for version in (1, 2)
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-]
-
-
-def matrix_overrides(version, strategy):
-    world = 4 if strategy == "HYBRID_SHARD" else 2
-    overrides = [f"fsdp.fsdp_version={version}", f"fsdp.sharding_strategy={strategy}", f"trainer.devices={world}"]
-    if strategy == "HYBRID_SHARD":
-        overrides.append("fsdp.mesh_shape=[2,2]")  # 2 replicas × 2-way shards on one host
-    return world, overrides
-
-
-def runs_of(world):
-    """Every whole run (``shardlight.train.train``, counted, its console kept) the tests below read, on
-    ``world`` ranks: {name: spec}."""
-    runs = {}
-    for version, strategy in MATRIX:
-        ranks, overrides = matrix_overrides(version, strategy)
-        if ranks == world:
-            runs[f"fsdp{version}-{strategy}"] = overrides
-    if world == 2:
-        for version in (1, 2):
-            base = [f"fsdp.fsdp_version={version}", "trainer.accumulate_grad_batches=4"]
-            runs[f"fsdp{version} no_sync"] = base
-            runs[f"fsdp{version} sync_each_batch"] = base + ["fsdp.sync_each_batch=true"]
-            runs[f"fsdp{version} activation checkpointing"] = [
-                f"fsdp.fsdp_version={version}", "fsdp.sharding_strategy=FULL_SHARD", "fsdp.activation_checkpointing=true"]
-        runs["bf16-mixed"] = ["trainer.precision=bf16-mixed"]
-    return {name: {"train": True, "counters": True, "capture": True,
-                   "overrides": [*CALLBACKS_OFF, *overrides, f"name={name.replace(' ', '-')}"]}
-            for name, overrides in runs.items()}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tiny_setup, tmp_path_factory):
-    """Every 2-rank run of this module, in one process pair (``conftest.gloo_fits``): 13 fits."""
-    return gloo_fits(tiny_setup[1], 2, runs_of(2), tmp_path_factory.mktemp("two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tiny_setup, tmp_path_factory):
-    """HYBRID_SHARD on FSDP1 and FSDP2: 4 ranks, one process tree."""
-    return gloo_fits(tiny_setup[1], 4, runs_of(4), tmp_path_factory.mktemp("four_ranks"))
-
-
-def run_worker(recipe, out_dir, overrides):
-    """One instrumented ``shardlight train`` in its own process tree (Lightning launches the ranks); returns
-    (summary, per-rank counts, console)."""
-    env = dict(os.environ, SHARDLIGHT_COUNTS_DIR=str(out_dir / "counts"), PYTHONPATH=str(REPO))
-    env.pop("LOCAL_RANK", None)
-    env.pop("SHARDLIGHT_RUN_DIR", None)
-    summary = out_dir / "summary.json"
-    result = subprocess.run(
-        [sys.executable, str(WORKER), "train", str(recipe), f"output_dir={out_dir}", "--summary-json",
-         str(summary), *CALLBACKS_OFF, *overrides],
-        env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    counts = [json.loads(p.read_text()) for p in sorted((out_dir / "counts").glob("rank*.json"))]
-    return json.loads(summary.read_text()), counts, result.stdout + result.stderr
-
-
-def final_weights(summary):
-    return load_file(str(Path(summary["model_dir"]) / "model.safetensors"))
-
-
-@functools.lru_cache(maxsize=None)  # the same steps for every strategy on as many ranks: computed once
-def reference_weights(recipe, world_size, accumulate=1):
-    """The same optimizer steps in one process on the same global batch: the summed token loss of every rank's
-    micro-batches over their global token count, global-norm clipping, AdamW with the same groups."""
-    from torch.utils.data import DistributedSampler, default_collate
-
-    from shardlight.build import build_module, build_tokenizer
-    from shardlight.data import SFTDataModule
-    from shardlight.recipe import load_recipe
-
-    cfg = load_recipe(str(recipe), [f"trainer.devices={world_size}", f"trainer.accumulate_grad_batches={accumulate}"])
-    datamodule = SFTDataModule(cfg, build_tokenizer(cfg))
-    datamodule.setup("fit")
-    dataset = datamodule.train_dataset
-    order = []
-    for rank in range(world_size):
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.trainer.seed)
-        sampler.set_epoch(0)
-        order.append(list(sampler))
-    module = build_module(cfg, sharded_load=False)  # from_pretrained: the truth the sharded load must equal
-    module.configure_model()
-    optim = module.configure_optimizers()
-    optimizer, schedule = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
-    for step in range(cfg.trainer.max_steps):
-        sums = []
-        for micro in range(accumulate):
-            start = (step * accumulate + micro) * MICRO_BATCH
-            for rank in range(world_size):
-                batch = default_collate([dataset[i] for i in order[rank][start:start + MICRO_BATCH]])
-                sums.append(module._loss_sum(batch))
-        (sum(total for total, _ in sums) / sum(count for _, count in sums)).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-    return {name[len("model."):]: p.detach() for name, p in module.named_parameters()}
-
-
-def assert_weights_close(actual, expected, atol=2e-5):
-    assert set(actual) == set(expected)
-    worst = max(float((actual[k] - expected[k]).abs().max()) for k in expected)
-    assert worst <= atol, f"max |diff| {worst:.3g}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version,strategy", MATRIX, ids=[f"fsdp{v}-{s}" for v, s in MATRIX])
-def test_sharded_training_matches_single_process(tiny_setup, request, version, strategy):
-    root, recipe = tiny_setup
+def test_sharded_training_matches_single_process(strategy_setup, request, version, strategy):
+    root, recipe = strategy_setup
     world, _ = matrix_overrides(version, strategy)
-    run = request.getfixturevalue("four_ranks" if world == 4 else "two_ranks")[f"fsdp{version}-{strategy}"]
+    runs = request.getfixturevalue("strategy_four_ranks" if world == 4 else "strategy_two_ranks")
+    run = runs[f"fsdp{version}-{strategy}"]
     summary, counts = run["summary"], run["counts"]
     assert summary["steps"] == STEPS and summary["world_size"] == world
     assert f"FSDP {strategy}: 3 units on {world} ranks" in run["output"]
@@ -177,9 +33,10 @@ def test_sharded_training_matches_single_process(tiny_setup, request, version, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
-def test_no_sync_accumulation_skips_reduce_scatter_and_matches(tiny_setup, two_ranks, version):
-    root, recipe = tiny_setup
-    skipped, synced = two_ranks[f"fsdp{version} no_sync"], two_ranks[f"fsdp{version} sync_each_batch"]
+def test_no_sync_accumulation_skips_reduce_scatter_and_matches(strategy_setup, strategy_two_ranks, version):
+    root, recipe = strategy_setup
+    runs = strategy_two_ranks
+    skipped, synced = runs[f"fsdp{version} no_sync"], runs[f"fsdp{version} sync_each_batch"]
     units = 3
     # one reduce-scatter per unit per optimizer step vs one per unit per micro-batch
     assert all(c["reduce_scatter"] == units * STEPS for c in skipped["counts"]), skipped["counts"]
@@ -190,8 +47,9 @@ def test_no_sync_accumulation_skips_reduce_scatter_and_matches(tiny_setup, two_r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
-def test_activation_checkpointing_recomputes_each_block(two_ranks, version):
-    plain, ckpt = two_ranks[f"fsdp{version}-FULL_SHARD"], two_ranks[f"fsdp{version} activation checkpointing"]
+def test_activation_checkpointing_recomputes_each_block(strategy_two_ranks, version):
+    runs = strategy_two_ranks
+    plain, ckpt = runs[f"fsdp{version}-FULL_SHARD"], runs[f"fsdp{version} activation checkpointing"]
     layers = 2
     # One extra forward per rank: the export check's reference logits (the export is verified tensor by
     # tensor, no reload).
@@ -308,8 +166,8 @@ def test_bad_accelerate_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_autocasts_on_cpu(two_ranks):
-    run = two_ranks["bf16-mixed"]
+def test_bf16_mixed_autocasts_on_cpu(strategy_two_ranks):
+    run = strategy_two_ranks["bf16-mixed"]
     # Lightning's stock plugin autocasts on CUDA even on CPU (and warns); here it autocasts on the CPU.
     assert run["steps"] == STEPS
     assert "CUDA is not available" not in run["output"] and "device_type of 'cuda'" not in run["output"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DEFAULT_RECIPE, REPO, forbid_training, free_port, gloo_fits, run_cli, save_tiny_llama
-from test_strategy import (
+from strategy_runs import (
     CALLBACKS_OFF,
     MICRO_BATCH,
     SEQ_LEN,
