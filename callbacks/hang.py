@@ -10,7 +10,7 @@ batch) has finished for ``callbacks.hang.after_s``, a thread of each rank
 2. dumps its flight recorder (torch's, on since the process group started: ``trainer.flight_recorder_entries``)
    in torch's format to ``run_dir/flight_recorder/rank_<R>``, with its main thread's Python stack,
 3. and exits 1. Rank 0 first waits up to ``grace_s`` for every rank's dump, prints the verdict
-   (``shardlight.diagnosis.hang``: which ranks wait in which collective, which rank never entered it or stopped
+   (``shardlight.diagnosis.hang_verdict``: which ranks wait in which collective, which rank never entered it or stopped
    responding, and where it is) and one ``error:`` line, writes ``flight_recorder/verdict.json`` and kills the
    ranks Lightning started (a stopped rank cannot act on anything gentler). The others wait for that verdict, so
    that Lightning's child-process observer does not kill rank 0 while it reads their dumps.
@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from shardlight.callbacks._common import Shared
 from shardlight.callbacks._flight_recorder import recorder_dump
-from shardlight.diagnosis.hang import hang_report
+from shardlight.diagnosis.hang_verdict import hang_report
 from shardlight.files import write_json
 from shardlight.recipe.instrument_sections import HangConfig
 from shardlight.run_context import FLIGHT_RECORDER_PREFIX, RunContext

@@ -1,5 +1,5 @@
 """A stuck run is named: the hang watchdog (``callbacks.hang``) and the flight-recorder verdict
-(``shardlight.diagnosis.hang``), on real gloo runs where one rank is made to stop short of an FSDP all-gather,
+(``shardlight.diagnosis.hang_verdict``), on real gloo runs where one rank is made to stop short of an FSDP all-gather,
 and on dumps in the format torch's NCCL watchdog writes."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from conftest import DEFAULT_RECIPE, REPO
 
 from shardlight.cli.main import main
-from shardlight.diagnosis.hang import hang_report
+from shardlight.diagnosis.hang_verdict import hang_report
 from shardlight.launch.launchers import without_run_env
 
 HANG_WORKER = REPO / "tests" / "workers" / "hang_train.py"

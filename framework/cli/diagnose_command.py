@@ -2,7 +2,7 @@
 
 A run that hung (``run_dir/flight_recorder/rank_<R>``: the hang watchdog's dumps, or the ones torch's NCCL
 watchdog writes there on a collective timeout), or a folder of such dumps: which rank is missing from which
-collective (``shardlight.diagnosis.hang``), instead of a window's verdict.
+collective (``shardlight.diagnosis.hang_verdict``), instead of a window's verdict.
 
 A run directory: its latest ``traces/step_<N>/`` window, memory and throughput from ``csv/metrics.csv``, the
 wrap report, the recipe's micro-batch, strategy and ``diagnosis:`` thresholds, and the planner's alternatives
@@ -86,7 +86,7 @@ def _metrics(run_dir: Optional[Path]) -> Dict[str, List[float]]:
 
 def _diagnose_hang(path: Path, json_out: Optional[str]) -> bool:
     """The hang verdict of a run's (or a folder's) flight-recorder dumps; False when there are none."""
-    from shardlight.diagnosis.hang import hang_report
+    from shardlight.diagnosis.hang_verdict import hang_report
     from shardlight.run_context import FLIGHT_RECORDER_DIR
 
     folder = path / FLIGHT_RECORDER_DIR if (path / FLIGHT_RECORDER_DIR).is_dir() else path
