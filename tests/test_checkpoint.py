@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, forbid_training, run_cli, save_tiny_llama
+from conftest import REPO, forbid_training, gloo_fits, run_cli, save_tiny_llama
 
 from shardlight.launch.launchers import without_run_env
 
@@ -66,12 +66,31 @@ def losses(run_dir):
         return {int(r["step"]) + 1: float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")}
 
 
+def whole_runs(runs, out):
+    """{name: overrides} → gloo_fits' whole runs (``shardlight.train.train``), console kept, under ``out``."""
+    return {name: {"train": True, "capture": True,
+                   "overrides": [*FAST, f"output_dir={out}", *overrides, f"name={name}"]}
+            for name, overrides in runs.items()}
+
+
 @pytest.fixture(scope="module")
-def run_a(tiny, tmp_path_factory):
-    """The uninterrupted reference: 10 steps on 2 ranks, FSDP1, a checkpoint every 2 steps."""
+def two_ranks(tiny, tmp_path_factory):
+    """The 2-rank runs, one process pair (``conftest.gloo_fits``): ``a``, the uninterrupted reference (10 steps,
+    FSDP1, a checkpoint every 2 steps); ``a`` resumed from step 6 (mid-epoch) and from step 4 (an epoch's end);
+    FSDP2 accumulating 2 with a checkpoint every 3 steps, and the same resumed from its step 6."""
     _, recipe = tiny
-    out = tmp_path_factory.mktemp("run_a")
-    summary, _ = train(recipe, out)
+    out = tmp_path_factory.mktemp("two_ranks")
+    ckpts = out / "runs" / "a" / "checkpoints"
+    fsdp2 = ["fsdp.fsdp_version=2", "trainer.accumulate_grad_batches=2"]
+    runs = {"a": [], "from6": [f"resume={ckpts / 'step-6'}"], "from4": [f"resume={ckpts / 'step-4'}"],
+            "fsdp2": [*fsdp2, "checkpoint.every_n_steps=3"],
+            "fsdp2-from6": [*fsdp2, f"resume={out / 'runs' / 'fsdp2' / 'checkpoints' / 'step-6'}"]}
+    return gloo_fits(recipe, 2, whole_runs(runs, out / "runs"), out)
+
+
+@pytest.fixture(scope="module")
+def run_a(two_ranks):
+    summary = two_ranks["a"]["summary"]
     return Path(summary["run_dir"]), summary
 
 
@@ -81,8 +100,7 @@ def assert_same_losses(reference, resumed, steps):
         assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
 
 
-def test_checkpoint_layout_and_exact_resume_mid_epoch_and_at_epoch_end(tiny, run_a, tmp_path):
-    _, recipe = tiny
+def test_checkpoint_layout_and_exact_resume_mid_epoch_and_at_epoch_end(two_ranks, run_a):
     run_dir, summary = run_a
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step-*")) == [f"step-{s}" for s in (10, 2, 4, 6, 8)]
@@ -100,52 +118,57 @@ def test_checkpoint_layout_and_exact_resume_mid_epoch_and_at_epoch_end(tiny, run
     assert sorted(reference) == list(range(1, 11))
     # step 6 is mid-epoch (2 of 4 batches of epoch 1); step 4 ends epoch 0.
     for start in (6, 4):
-        resumed, result = train(recipe, tmp_path / f"from{start}", f"resume={ckpts / f'step-{start}'}")
-        assert f"resumed from {ckpts / f'step-{start}'} at step {start}" in result.stderr
-        assert resumed["steps"] == 10
-        assert_same_losses(reference, losses(resumed["run_dir"]), range(start + 1, 11))
+        resumed = two_ranks[f"from{start}"]
+        assert f"resumed from {ckpts / f'step-{start}'} at step {start}" in resumed["output"]
+        assert resumed["summary"]["steps"] == 10
+        assert_same_losses(reference, losses(resumed["summary"]["run_dir"]), range(start + 1, 11))
 
 
-def test_fsdp2_exact_resume_with_gradient_accumulation(tiny, tmp_path):
-    _, recipe = tiny
-    fsdp2 = ["fsdp.fsdp_version=2", "trainer.accumulate_grad_batches=2"]
-    full, _ = train(recipe, tmp_path / "a", *fsdp2, "checkpoint.every_n_steps=3")
-    reference = losses(full["run_dir"])
-    step6 = Path(full["run_dir"]) / "checkpoints" / "step-6"
-    resumed, _ = train(recipe, tmp_path / "b", *fsdp2, f"resume={step6}")
-    assert_same_losses(reference, losses(resumed["run_dir"]), range(7, 11))
+def test_fsdp2_exact_resume_with_gradient_accumulation(two_ranks):
+    reference = losses(two_ranks["fsdp2"]["summary"]["run_dir"])
+    assert_same_losses(reference, losses(two_ranks["fsdp2-from6"]["summary"]["run_dir"]), range(7, 11))
 
 
-def test_reshard_two_to_one_to_two_ranks_and_export_at_end(tiny, run_a, tmp_path):
+def test_reshard_two_to_one_to_two_ranks_and_export_at_end(tiny, run_a, tmp_path, capsys):
     _, recipe = tiny
     run_dir, _ = run_a
     reference = losses(run_dir)
-    one, result = train(recipe, tmp_path / "one", "trainer.devices=1", f"resume={run_dir / 'checkpoints' / 'step-6'}")
-    assert "resumed from" in result.stderr and one["world_size"] == 1
-    first = losses(one["run_dir"])[7]
+    out = tmp_path / "runs"
+    one = gloo_fits(recipe, 1, whole_runs({"one": [f"resume={run_dir / 'checkpoints' / 'step-6'}"]}, out),
+                    tmp_path / "one")["one"]
+    assert "resumed from" in one["output"] and one["summary"]["world_size"] == 1
+    one_dir = Path(one["summary"]["run_dir"])
+    first = losses(one_dir)[7]
     # Different data order on one rank, same weights: close to the 2-rank loss, far from the untrained one.
     assert abs(first - reference[7]) < abs(first - reference[1]), (first, reference)
-    two, result = train(recipe, tmp_path / "two", "trainer.max_steps=12", "resume=auto",
-                        f"resume_dir={one['run_dir']}", "export.checkpoint=true")
-    assert f"resumed from {Path(one['run_dir']) / 'checkpoints' / 'step-10'}" in result.stderr
+    two = gloo_fits(recipe, 2, whole_runs({"two": ["trainer.max_steps=12", "resume=auto", f"resume_dir={one_dir}",
+                                                   "export.checkpoint=true"]}, out), tmp_path / "two")["two"]
+    assert f"resumed from {one_dir / 'checkpoints' / 'step-10'}" in two["output"]
+    two = two["summary"]
     assert sorted(losses(two["run_dir"])) == [11, 12] and two["world_size"] == 2
     assert two["checkpoint_export_max_abs_diff"] <= 1e-5
     assert (Path(two["export_dir"]) / "model.safetensors").is_file()
 
-    inspect_one = run_cli(["inspect", str(Path(one["run_dir"]) / "checkpoints" / "step-10")])
-    inspect_two = run_cli(["inspect", two["run_dir"]])
-    assert inspect_one.returncode == 0 and inspect_two.returncode == 0, inspect_one.stderr + inspect_two.stderr
-    assert "1 rank(s) wrote shards" in inspect_one.stdout and "2 rank(s) wrote shards" in inspect_two.stdout
+    from shardlight.cli.main import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(one_dir / "checkpoints" / "step-10")]) == 0
+    assert "1 rank(s) wrote shards" in capsys.readouterr().out
+    assert main(["inspect", two["run_dir"]]) == 0
+    assert "2 rank(s) wrote shards" in capsys.readouterr().out
 
 
-def test_export_cli_matches_trained_model_and_inspect_lists_shards(run_a, tmp_path):
+def test_export_cli_matches_trained_model_and_inspect_lists_shards(run_a, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
+
+    from shardlight.cli.main import main
 
     run_dir, summary = run_a
     out = tmp_path / "hf"
-    result = run_cli(["export", str(run_dir / "checkpoints" / "step-10"), "--out", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"read back tensor by tensor: max \|diff\| = 0: OK", result.stdout), result.stdout
+    capsys.readouterr()
+    assert main(["export", str(run_dir / "checkpoints" / "step-10"), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert re.search(r"read back tensor by tensor: max \|diff\| = 0: OK", stdout), stdout
     report = json.loads((out / "export_report.json").read_text())
     assert report["ok"] and report["max_abs_diff"] <= 1e-5
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"):
@@ -158,9 +181,10 @@ def test_export_cli_matches_trained_model_and_inspect_lists_shards(run_a, tmp_pa
     assert float((a - b).abs().max()) <= 1e-6
     # In files of at most 100 KB (the model is 214 KB): several files and an index, written one at a time.
     small = tmp_path / "hf-small"
-    result = run_cli(["export", str(run_dir / "checkpoints" / "step-10"), "--out", str(small), "--max-shard-size",
-                      "100KB"])
-    assert result.returncode == 0 and "3 safetensors file(s)" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert main(["export", str(run_dir / "checkpoints" / "step-10"), "--out", str(small), "--max-shard-size",
+                 "100KB"]) == 0
+    stdout = capsys.readouterr().out
+    assert "3 safetensors file(s)" in stdout, stdout
     assert len(list(small.glob("model-0000?-of-00003.safetensors"))) == 3
     assert (small / "model.safetensors.index.json").is_file() and not (small / "model.safetensors").exists()
     with torch.no_grad():
@@ -168,9 +192,9 @@ def test_export_cli_matches_trained_model_and_inspect_lists_shards(run_a, tmp_pa
     assert torch.equal(a, c)
 
     listing = tmp_path / "inspect.json"
-    result = run_cli(["inspect", str(run_dir / "checkpoints" / "step-10"), "--json", str(listing)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("model.layers.0.self_attn.q_proj.weight"))
+    assert main(["inspect", str(run_dir / "checkpoints" / "step-10"), "--json", str(listing)]) == 0
+    stdout = capsys.readouterr().out
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("model.layers.0.self_attn.q_proj.weight"))
     assert "(32, 32)" in line and "float32" in line and "r0:" in line and "r1:" in line
     data = json.loads(listing.read_text())
     assert data["ranks"] == [0, 1]
