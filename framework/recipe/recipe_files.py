@@ -47,6 +47,8 @@ def resolve_recipe(name: str) -> Path:
     shipped = shipped_recipe(name)
     if shipped is not None:
         return shipped
+    if len(Path(name).parts) > 1:  # a path, not a name: the file is what is missing
+        raise ShardlightError(f"recipe file not found: {path}")
     raise ShardlightError(f"recipe file not found: {path.resolve()}, and no shipped recipe is named "
                           f"'{path.stem}'; shipped recipes: {', '.join(shipped_names())} (`shardlight recipes`)")
 

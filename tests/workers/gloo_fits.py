@@ -110,6 +110,7 @@ class TieProbe:
 
 
 def train_run(recipe: str, overrides, rank: int, full_state: bool = False):
+    from shardlight.instruments import Measurements
     from shardlight.recipe import load_recipe
     from shardlight.run_context import RunContext
     from shardlight.train import train
@@ -118,7 +119,7 @@ def train_run(recipe: str, overrides, rank: int, full_state: bool = False):
     # The resume decision (cfg.resume) is train's, on every rank alike.
     ctx = RunContext(launcher="lightning", rank=rank, launched=True, run_dir=Path(cfg.output_dir) / cfg.name)
     probe = TieProbe(full_state)
-    summary = train(ctx, cfg, instruments=[probe])
+    summary = train(ctx, cfg, instruments=[probe, Measurements()])  # as `shardlight train` runs it
     return {"grads": probe.capture.grads, "tied_live": probe.tied_live, "summary": summary,
             "steps": summary["steps"], "weights": probe.weights}
 
