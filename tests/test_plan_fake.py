@@ -207,3 +207,21 @@ def test_scaled_fake_step_equals_the_full_one(recipe, layers, strategy, ckpt):
     for key, value in full["peak_by_category"].items():
         assert abs(scaled["peak_by_category"][key] - value) <= 1e-4 * full["peak"], (key, scaled, full)
     assert scaled["activations"] == pytest.approx(full["activations"], rel=1e-4)
+
+
+def test_the_fake_steps_fork_only_from_a_process_without_other_threads():
+    """A fork copies only the calling thread: with another thread alive (as in a notebook or this test runner)
+    the plan's fake steps run in this process instead of forked workers, whose libc could crash on a lock the
+    other thread held (seen: a segfault in every worker, the pool broken)."""
+    import threading
+
+    from shardlight.planner.measured import _forking_is_safe
+
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait)
+    waiter.start()
+    try:
+        assert not _forking_is_safe()
+    finally:
+        release.set()
+        waiter.join()

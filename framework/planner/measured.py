@@ -13,6 +13,7 @@ replicated or unsharded rows, and those without checkpointing, keep their analyt
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -99,12 +100,23 @@ def _step(call: Tuple[Any, Dict[str, Any]]) -> Dict[str, Any]:
     return step_memory(hf_config, **kwargs)
 
 
+def _forking_is_safe() -> bool:
+    """Whether this process may fork workers: a fork copies only the calling thread, so a child that touches a
+    lock or pool another thread held (OpenMP's workers after a matmul, a tokenizer's thread pool: what a
+    notebook or a test runner has by then) can crash in libc. ``shardlight plan`` forks from a process of at
+    most 2 OS threads (Python's and the allocator's), which is safe; anything busier steps in this process."""
+    try:
+        return len(os.listdir("/proc/self/task")) <= 2
+    except OSError:  # no /proc (not Linux): do not guess
+        return False
+
+
 def _stepped(calls: List[Tuple[Any, Dict[str, Any]]], deep: str, started: float) -> List[Dict[str, Any]]:
     """Each call's fake step, in order: one per core at a time in forked processes (the steps are independent
     and CPU-bound: the 70B recipe's plan takes 25-28 s instead of 37-38 s on 2 cores), in this process when
-    there is one core or one step. Only ``shardlight plan``/``profile`` step (a training rank plans analytically),
-    so no process group or rank is forked."""
-    workers = min(len(calls), usable_cores())
+    there is one core or one step, or when forking is not safe here (``_forking_is_safe``). Only ``shardlight
+    plan``/``profile`` step (a training rank plans analytically), so no process group or rank is forked."""
+    workers = min(len(calls), usable_cores()) if _forking_is_safe() else 1
 
     def say(done: int) -> None:
         progress(f"plan: fake training steps {done}/{len(calls)} done ({max(workers, 1)} at a time{deep}), "
