@@ -107,10 +107,17 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
     saved = (callback.wait() or callback.resume_from) if callback is not None else None
     message = (f"{stop}; stopped every rank before that update (trainer.on_nonfinite=stop), nothing exported; "
                f"last good checkpoint: {saved or 'none'}")
+    return _stopped(message, message, None, saved, trainer, module, run_dir, started, summary_json)
+
+
+def _stopped(message: str, line: str, final_val_loss: Optional[float], saved: Optional[Path], trainer, module,
+             run_dir: Path, started: float, summary_json: Optional[str]) -> Dict[str, Any]:
+    """The summary of a run that ended short of a model (``stopped``: ``message``); rank 0 writes it and says
+    ``error: <line>``."""
     summary = {
         "stopped": message,
         "first_val_loss": module.first_val_loss,
-        "final_val_loss": None,
+        "final_val_loss": final_val_loss,
         "steps": trainer.global_step,
         "run_dir": str(run_dir),
         "model_dir": None,
@@ -122,7 +129,7 @@ def _stopped_nonfinite(stop: NonFiniteStop, trainer, module, run_dir: Path,
         write_json(run_dir / "summary.json", summary)
         if summary_json:
             write_json(summary_json, summary)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"error: {line}", file=sys.stderr, flush=True)
     return summary
 
 
@@ -145,23 +152,8 @@ def _export_failed(exc: Exception, cfg: RecipeConfig, trainer, module, run_dir: 
             print(f"shardlight: the export failed; {kept}", file=sys.stderr, flush=True)
         raise exc
     message = f"the export to {run_dir / MODEL_DIR} failed ({type(exc).__name__}: {first_line(exc)}); {kept}"
-    summary = {
-        "stopped": message,
-        "first_val_loss": module.first_val_loss,
-        "final_val_loss": module.last_val_loss,
-        "steps": trainer.global_step,
-        "run_dir": str(run_dir),
-        "model_dir": None,
-        "checkpoint": str(saved) if saved else None,
-        "wall_time_s": round(time.time() - started, 2),
-        "world_size": trainer.world_size,
-    }
-    if trainer.is_global_zero:
-        write_json(run_dir / "summary.json", summary)
-        if summary_json:
-            write_json(summary_json, summary)
-        print(f"error: {message} (traceback in {trace})", file=sys.stderr, flush=True)
-    return summary
+    return _stopped(message, f"{message} (traceback in {trace})", module.last_val_loss, saved, trainer, module,
+                    run_dir, started, summary_json)
 
 
 def drop_export_only_checkpoint(trainer) -> None:
