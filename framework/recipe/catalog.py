@@ -15,14 +15,19 @@ from shardlight.recipe.load import load_recipe, read_recipe_file
 from shardlight.recipe.recipe_files import RECIPES_DIR, shipped_names, shipped_recipe
 
 
-def describe(path: Path) -> str:
-    """A recipe's first sentence, from the comment block it opens with."""
+def opening_comments(path: Path) -> List[str]:
+    """The comment lines a recipe file opens with."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        lines.append(line.lstrip("# ").strip())
-    text = " ".join(lines)
+        lines.append(line)
+    return lines
+
+
+def describe(path: Path) -> str:
+    """A recipe's first sentence, from the comment block it opens with."""
+    text = " ".join(line.lstrip("# ").strip() for line in opening_comments(path))
     return text.split(". ", 1)[0].rstrip(".") if text else ""
 
 
@@ -59,11 +64,7 @@ def copy_recipe(name: str, dest: Optional[str] = None, force: bool = False) -> P
     if out.exists() and not force:
         raise ShardlightError(f"{out} exists; pass --force to overwrite it")
     raw = read_recipe_file(source)
-    head = []
-    for line in source.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        head.append(line)
+    head = opening_comments(source)
     head.append(f"# Copied from the shipped recipe {source.stem} by `shardlight recipes copy`: its relative paths "
                 "now point into the installed package.")
     out.parent.mkdir(parents=True, exist_ok=True)
